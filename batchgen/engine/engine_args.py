@@ -1,0 +1,66 @@
+"""Engine settings, validated before anything heavy is loaded."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """'2GiB', '512MiB', '1.5GB', or a plain number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"expected a size such as '2GiB' or '512MiB', got {value!r}")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class EngineArgs:
+    model: str = "default"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    kv_cache_memory: str | int | None = "2GiB"  # None on CUDA: size from gpu_memory_utilization
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the model's context window
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    seed: int = 0  # seeds the seeds drawn for requests that bring none
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1) or self.block_size > 1024:
+            raise ValueError(f"block_size must be a power of two up to 1024, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            try:
+                parse_bytes(self.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")

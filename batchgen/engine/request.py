@@ -1,0 +1,126 @@
+"""The engine's public data: what goes in (Request, SamplingParams) and what comes out (Result)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, with vLLM's names and meanings."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+
+        def num(name: str, value: Any, kind: type) -> None:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if kind is int:
+                ok = ok and float(value).is_integer()
+            if not ok or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+
+        num("max_tokens", self.max_tokens, int)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        num("temperature", self.temperature, float)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        num("top_p", self.top_p, float)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        num("top_k", self.top_k, int)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        num("min_p", self.min_p, float)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        num("repetition_penalty", self.repetition_penalty, float)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            num(name, value, float)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            num("seed", self.seed, int)
+        num("min_tokens", self.min_tokens, int)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+
+@dataclass
+class Request:
+    """One prompt to complete. `request_id` is echoed back in its Result."""
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Result:
+    """A finished request. Times are wall-clock epoch seconds, derived from one monotonic clock,
+    so their differences are exact durations."""
+
+    request_id: Any
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    num_preemptions: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_token_time is None or self.output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.output_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_time - self.arrival_time

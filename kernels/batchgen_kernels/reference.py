@@ -1,0 +1,82 @@
+"""Paged attention in plain torch ops: the CPU path and the oracle every other kernel is tested against.
+
+Cache layout (per layer): k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' K/V ([T, Hkv, D]) into their cache slots."""
+    num_blocks, block_size, heads, dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+    """One query token per sequence ([B, Hq, D]) against its whole paged context, all sequences at once."""
+    batch, q_heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks]
+    k = k_cache[table].flatten(1, 2)  # [B, L, Hkv, D]
+    v = v_cache[table].flatten(1, 2)
+    qg = q.view(batch, kv_heads, group, dim).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
+    positions = torch.arange(k.shape[1], device=q.device)
+    mask = positions[None, :] >= seq_lens[:, None].to(positions.dtype)  # [B, L]
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+    return out.reshape(batch, q_heads, dim).to(q.dtype)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_len: int, scale: float) -> torch.Tensor:
+    """The last q.shape[0] tokens of one sequence ([Tq, Hq, D]) attend causally to its seq_len cached tokens."""
+    q_len, q_heads, dim = q.shape
+    k = _gather(k_cache, block_table, seq_len)
+    v = _gather(v_cache, block_table, seq_len)
+    group = q_heads // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    if q_len == seq_len:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:
+        # Query j sits at absolute position seq_len - q_len + j and sees keys up to there.
+        rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+        allowed = torch.arange(seq_len, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale)
+    return out.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Attention for a whole varlen step ([T, Hq, D]): the decodes batched together, prefills one by one."""
+    out = torch.empty_like(q)
+    nd = md.num_decodes
+    if nd:
+        out[:nd] = paged_decode(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd],
+                                max(md.seq_lens_cpu[:nd]), scale)
+    start = nd
+    for i in range(nd, md.num_seqs):
+        end = start + md.query_lens_cpu[i]
+        out[start:end] = paged_prefill(q[start:end], k_cache, v_cache, md.block_tables[i], md.seq_lens_cpu[i], scale)
+        start = end
+    return out
