@@ -158,7 +158,7 @@ class Engine:
         seq = Sequence.from_request(request, seed)
         if params.stop:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids, params.skip_special_tokens,
-                                                     params.stop)
+                                                     params.stop, min_tokens=params.min_tokens)
         return seq
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

@@ -73,6 +73,21 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         sampling = SamplingBatch.build(
             [seq.params for seq in samplers], [seq.seed for seq in samplers],
-            [seq.token_ids[: seq.num_prompt_tokens] for seq in samplers], [seq.output_token_ids for seq in samplers],
+            _LazyTokens(samplers, prompt=True), _LazyTokens(samplers, prompt=False),
             self.eos_token_ids, logits.shape[-1], self.device)
         return samplers, self.sampler(logits, sampling).tolist()
+
+
+class _LazyTokens:
+    """Per-row prompt or output token lists, sliced only for the rows the sampler reads (penalties, min_tokens):
+    the greedy path never copies a sequence's tokens."""
+
+    def __init__(self, seqs: list[Sequence], prompt: bool) -> None:
+        self.seqs, self.prompt = seqs, prompt
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, row: int) -> list[int]:
+        seq = self.seqs[row]
+        return seq.token_ids[: seq.num_prompt_tokens] if self.prompt else seq.output_token_ids

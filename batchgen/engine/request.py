@@ -40,9 +40,9 @@ class SamplingParams:
 
         def num(name: str, value: Any, kind: type) -> None:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if kind is int:
-                ok = ok and float(value).is_integer()
-            if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            if ok and isinstance(value, float):  # ints stay ints: float() of a huge one overflows
+                ok = math.isfinite(value) and (kind is float or value.is_integer())
+            if not ok:
                 raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
 
         num("max_tokens", self.max_tokens, int)
@@ -73,10 +73,14 @@ class SamplingParams:
         num("min_tokens", self.min_tokens, int)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass

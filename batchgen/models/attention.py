@@ -1,0 +1,43 @@
+"""One layer's paged attention: store the step's new K/V in the cache, then attend over each sequence's context."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from batchgen_kernels import AttentionMetadata, get_backend
+
+
+class Attention(nn.Module):
+    """Holds this layer's KV cache ([num_blocks, block_size, num_kv_heads, head_dim] each) and the kernel backend.
+
+    The cache is owned by the runner and bound after construction (`bind_kv_cache`); it is a plain attribute,
+    not a buffer, so it never appears in state_dict and `model.to()` leaves it where the runner put it.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.backend = None
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        expected = (self.num_kv_heads, self.head_dim)
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.dim() != 4 or tuple(cache.shape[2:]) != expected:
+                raise ValueError(f"{name} must be [num_blocks, block_size, {expected[0]}, {expected[1]}], "
+                                 f"got {list(cache.shape)}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ in shape")
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.backend = get_backend(k_cache.device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] → [T, num_heads, head_dim]."""
+        if self.k_cache is None:
+            raise RuntimeError("no KV cache bound: call model.bind_kv_cache(k_caches, v_caches) before forward")
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale)

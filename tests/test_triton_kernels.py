@@ -1,0 +1,258 @@
+"""The Triton kernels against the torch reference: on the GPU when there is one, else under Triton's interpreter.
+
+Every cache is filled with random values everywhere, and block tables are shuffled, so a kernel that reads a wrong
+slot, block or position gets different numbers, not zeros that happen to match.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads this when a kernel is decorated: set it before our kernel modules are first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from batchgen_kernels import AttentionMetadata, reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+             torch.float16: dict(atol=5e-3, rtol=5e-3)}
+
+
+@pytest.fixture(scope="module")
+def tb():
+    from batchgen_kernels import triton_backend
+    return triton_backend
+
+
+class BlockTables:
+    """Each sequence's blocks, drawn from a shuffled pool (with spare blocks nobody owns), padded with 0."""
+
+    def __init__(self, seq_lens, block_size, generator, spare=3):
+        needed = [-(-s // block_size) for s in seq_lens]
+        self.block_size = block_size
+        self.num_blocks = sum(needed) + spare
+        ids = torch.randperm(self.num_blocks, generator=generator)
+        self.table = torch.zeros(len(seq_lens), max(needed), dtype=torch.int32)
+        used = 0
+        for row, n in enumerate(needed):
+            self.table[row, :n] = ids[used:used + n]
+            used += n
+
+
+def make_metadata(query_lens, seq_lens, tables, device=DEVICE):
+    """Metadata for sequences whose query rows are the last query_lens[i] of seq_lens[i] tokens (decodes first)."""
+    num_decodes = sum(1 for n in query_lens if n == 1)
+    assert all(n == 1 for n in query_lens[:num_decodes]), "decodes come first"
+    slots = []
+    bs = tables.block_size
+    for row, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        for pos in range(s_len - q_len, s_len):
+            slots.append(int(tables.table[row, pos // bs]) * bs + pos % bs)
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    return AttentionMetadata(
+        query_start_loc=starts.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+
+
+def make_case(query_lens, seq_lens, *, block_size=16, num_kv_heads=2, group=3, head_dim=80, dtype=torch.float32,
+              seed=0):
+    """Random q, fully random K/V caches and the metadata of one step."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = BlockTables(seq_lens, block_size, gen)
+    shape = (tables.num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    return q, k_cache, v_cache, make_metadata(query_lens, seq_lens, tables)
+
+
+def assert_close(actual, expected):
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[expected.dtype])
+
+
+# ---------------------------------------------------------------------------------------------------- store_kv
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_the_same_slots_as_the_reference(tb, block_size, cache_dtype):
+    query_lens, seq_lens = [1, 1, 20, 9], [17, 33, 20, 40]
+    _, k_cache, v_cache, md = make_case(query_lens, seq_lens, block_size=block_size, dtype=cache_dtype)
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, kv_heads, dim = md.slot_mapping.shape[0], k_cache.shape[2], k_cache.shape[3]
+    # K and V as the model hands them over: views into one fused projection, not contiguous across heads.
+    fused = torch.randn(num_tokens, 3 * kv_heads * dim, generator=gen).to(DEVICE, cache_dtype)
+    key = fused[:, kv_heads * dim:2 * kv_heads * dim].view(num_tokens, kv_heads, dim)
+    value = fused[:, 2 * kv_heads * dim:].view(num_tokens, kv_heads, dim)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, k_ref, v_ref, md.slot_mapping)
+    tb.store_kv(key, value, k_cache, v_cache, md.slot_mapping)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_store_kv_leaves_the_cache_alone_for_negative_slots(tb):
+    _, k_cache, v_cache, md = make_case([3], [3], head_dim=64)
+    key = torch.randn(3, k_cache.shape[2], 64, device=DEVICE)
+    slots = md.slot_mapping.clone()
+    slots[1] = -1
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    tb.store_kv(key, key, k_cache, v_cache, slots)
+    flat = k_cache.view(-1, *k_cache.shape[2:])
+    assert torch.equal(flat[slots[[0, 2]]], key[[0, 2]])
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[[0, 2]]] = False
+    assert torch.equal(flat[untouched], k_before.view_as(flat)[untouched])
+    assert torch.equal(v_cache.view_as(flat)[untouched], v_before.view_as(flat)[untouched])
+
+
+# ------------------------------------------------------------------------------------------------------ decode
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_decode_matches_reference(tb, block_size, group, head_dim):
+    # Contexts of one token, exactly one block, one past a block, and several blocks.
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
+    q, k_cache, v_cache, md = make_case([1] * 5, seq_lens, block_size=block_size, group=group, head_dim=head_dim)
+    expected = reference.paged_attention(q, k_cache, v_cache, md, head_dim ** -0.5)
+    assert_close(tb.paged_attention(q, k_cache, v_cache, md, head_dim ** -0.5), expected)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_decode_over_long_contexts_matches_reference(tb, num_splits, dtype):
+    # 511 tokens in 8 splits of 64: the 5-token sequence leaves 7 splits empty, the others end mid-split.
+    seq_lens = [5, 130, 300, 511]
+    q, k_cache, v_cache, md = make_case([1] * 4, seq_lens, block_size=16, group=4, head_dim=64, dtype=dtype)
+    out = tb.paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.max_seq_len, 0.125,
+                          num_splits=num_splits)
+    expected = reference.paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.max_seq_len, 0.125)
+    assert_close(out, expected)
+
+
+def test_decode_with_head_dim_128_and_one_kv_head(tb):
+    q, k_cache, v_cache, md = make_case([1, 1], [40, 100], block_size=32, num_kv_heads=1, group=8, head_dim=128)
+    out = tb.paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.max_seq_len, 0.1, num_splits=2)
+    assert_close(out, reference.paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, 100, 0.1))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_of_an_empty_padding_sequence_gives_zeros(tb, num_splits):
+    """A CUDA-graph batch padded with zero-length sequences: their rows are 0, not NaN, and the others unchanged."""
+    q, k_cache, v_cache, md = make_case([1, 1], [70, 70], block_size=16, group=3, head_dim=64)
+    seq_lens = torch.tensor([70, 0], dtype=torch.int32, device=DEVICE)
+    out = tb.paged_decode(q, k_cache, v_cache, md.block_tables, seq_lens, 70, 0.125, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert_close(out[:1], reference.paged_decode(q[:1], k_cache, v_cache, md.block_tables[:1], seq_lens[:1], 70,
+                                                 0.125))
+
+
+# ----------------------------------------------------------------------------------------------------- prefill
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_prefill_with_cached_prefixes_matches_reference(tb, block_size, group, head_dim):
+    # A whole prompt; a short chunk after a prefix ending mid-block; a chunk after exactly one cached block;
+    # a long chunk crossing blocks after a prefix.
+    query_lens = [21, 7, 33, 40]
+    seq_lens = [21, 7 + block_size + 3, 33 + block_size, 40 + 2 * block_size + 1]
+    q, k_cache, v_cache, md = make_case(query_lens, seq_lens, block_size=block_size, group=group, head_dim=head_dim)
+    expected = reference.paged_attention(q, k_cache, v_cache, md, head_dim ** -0.5)
+    assert_close(tb.paged_attention(q, k_cache, v_cache, md, head_dim ** -0.5), expected)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (16, 32), (32, 16)])
+def test_prefill_tiles_smaller_than_the_query(tb, block_m, block_n):
+    # Several query tiles per sequence, key tiles smaller and larger than a block, one prefix not tile-aligned.
+    query_lens, seq_lens = [45, 30], [45, 30 + 37]
+    q, k_cache, v_cache, md = make_case(query_lens, seq_lens, block_size=16, group=3, head_dim=64)
+    out = tb.paged_prefill(q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, first_seq=0,
+                           num_seqs=2, max_query_len=md.max_query_len, scale=0.125, block_m=block_m, block_n=block_n)
+    assert_close(out, reference.paged_attention(q, k_cache, v_cache, md, 0.125))
+
+
+# ------------------------------------------------------------------------------------------ the whole interface
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mixed_step_stores_then_attends_like_the_reference(tb, block_size, dtype):
+    """What one layer does in a step mixing decodes with prefills, some of them after a cached prefix."""
+    query_lens = [1, 1, 1, 19, 5, 2 * block_size]
+    seq_lens = [2, block_size + 1, 70, 19, 5 + block_size, 2 * block_size + 9]
+    q, k_cache, v_cache, md = make_case(query_lens, seq_lens, block_size=block_size, group=3, head_dim=80,
+                                        dtype=dtype, seed=3)
+    key = torch.randn(q.shape[0], k_cache.shape[2], k_cache.shape[3], device=DEVICE).to(dtype)
+    value = torch.randn_like(key)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, k_ref, v_ref, md.slot_mapping)
+    expected = reference.paged_attention(q, k_ref, v_ref, md, 80 ** -0.5)
+    tb.store_kv(key, value, k_cache, v_cache, md.slot_mapping)
+    out = tb.paged_attention(q, k_cache, v_cache, md, 80 ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close(out, expected)
+
+
+def test_the_comparison_catches_a_wrong_block_or_context(tb):
+    """The tolerances above have teeth: one block read from the wrong place, or one token less of context,
+    changes the output of the last row of every sequence (the row that sees the whole context)."""
+    query_lens, seq_lens = [1, 1, 12, 6], [40, 70, 12 + 5, 6 + 30]
+    q, k_cache, v_cache, md = make_case(query_lens, seq_lens, block_size=16)
+    expected = reference.paged_attention(q, k_cache, v_cache, md, 0.1)
+    assert_close(tb.paged_attention(q, k_cache, v_cache, md, 0.1), expected)
+
+    unused = sorted(set(range(k_cache.shape[0])) - set(md.block_tables.flatten().tolist()))[0]
+    redirected = md.block_tables.clone()
+    redirected[:, 1] = unused  # every sequence here has at least two blocks
+    wrong_block = AttentionMetadata(**{**md.__dict__, "block_tables": redirected})
+    shorter = AttentionMetadata(**{**md.__dict__, "seq_lens": md.seq_lens - 1})
+    last_rows = (md.query_start_loc[1:] - 1).tolist()
+    for wrong in (wrong_block, shorter):
+        out = tb.paged_attention(q, k_cache, v_cache, wrong, 0.1)
+        for row in last_rows:
+            assert not torch.allclose(out[row], expected[row], **TOLERANCE[torch.float32])
+
+
+# ------------------------------------------------------------------------------------------- inside the model
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compares the backends inside the model")
+def test_model_on_triton_matches_model_on_reference():
+    """A tiny bf16 Llama with GQA on the GPU: prefill, then a step mixing decodes with a chunk after a prefix."""
+    from transformers import LlamaConfig
+
+    from batchgen.models.registry import build_model
+    from batchgen_kernels import triton_backend
+
+    config = LlamaConfig(vocab_size=500, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = build_model(config).to(DEVICE, torch.bfloat16).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    block_size = 16
+    tables = BlockTables([80, 40, 60], block_size, torch.Generator().manual_seed(0))
+
+    def run(backend, steps):
+        shape = (tables.num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        caches = [torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE) for _ in range(2 * model.num_layers)]
+        model.bind_kv_cache(caches[0::2], caches[1::2])
+        for layer in model.model.layers:
+            layer.self_attn.attn.backend = backend
+        outputs = []
+        for query_lens, seq_lens, ids in steps:
+            md = make_metadata(query_lens, seq_lens, tables)
+            positions = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens)]).to(DEVICE)
+            with torch.inference_mode():
+                outputs.append(model(ids.to(DEVICE), positions, md))
+        return outputs
+
+    gen = torch.Generator().manual_seed(1)
+    steps = [([50, 40, 30], [50, 40, 30], torch.randint(0, 500, (120,), generator=gen)),
+             ([1, 1, 30], [51, 41, 60], torch.randint(0, 500, (32,), generator=gen))]
+    for got, want in zip(run(triton_backend, steps), run(reference, steps)):
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
