@@ -18,8 +18,9 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
-        # One allocation for every layer's K and V. torch.empty: pages are touched only as blocks fill.
-        self.kv_cache = torch.empty((model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim),
+        # One allocation for every layer's K and V. Zeroed, not empty: attention reads whole blocks and masks the
+        # positions past a sequence's end, and a masked NaN from uninitialised memory would still poison 0 * v.
+        self.kv_cache = torch.zeros((model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim),
                                     dtype=dtype, device=device)
         model.bind_kv_cache([self.kv_cache[i, 0] for i in range(model.num_layers)],
                             [self.kv_cache[i, 1] for i in range(model.num_layers)])

@@ -1,0 +1,307 @@
+"""The output side of a job: results -> Parquet part files committed atomically, the resume ledger, and the
+final rewrite into input (or completion) order followed by `_SUCCESS`.
+
+Layout of `output.path` while a job runs:
+    run-00000.parquet ...   committed parts in completion order, with an extra `_row` column (input position)
+and once it has finished:
+    part-00000.parquet ...  the output, without `_row`
+    _SUCCESS                the run summary (JSON)
+Anything not yet committed lives in the sibling directory `.<name>.batchgen-tmp/`, removed after success.
+The committed run parts are the ledger: their `_row` columns say which input rows are done."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.engine.request import Result
+
+from .config import OUTPUT_COLUMNS, ROW_COLUMN
+
+FINGERPRINT_KEY = b"batchgen.fingerprint"
+SUCCESS = "_SUCCESS"
+PLAN = "_PLAN.json"
+RUN_PART = re.compile(r"run-(\d+)\.parquet")
+FINAL_PART = re.compile(r"part-(\d+)\.parquet")
+TIMESTAMP = pa.timestamp("us", tz="UTC")
+
+
+def output_schema(id_type: pa.DataType, keep: list[tuple[str, pa.DataType]]) -> pa.Schema:
+    fields = [
+        ("id", id_type), ("text", pa.string()), ("finish_reason", pa.string()), ("error", pa.string()),
+        ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("cached_tokens", pa.int64()),
+        ("queue_s", pa.float64()), ("ttft_s", pa.float64()), ("tpot_s", pa.float64()), ("e2e_s", pa.float64()),
+        ("arrival_time", TIMESTAMP), ("first_token_time", TIMESTAMP), ("finish_time", TIMESTAMP),
+        ("num_preemptions", pa.int64()),
+    ]
+    return pa.schema(fields + list(keep))
+
+
+def run_part_schema(schema: pa.Schema, fingerprint: str) -> pa.Schema:
+    return schema.append(pa.field(ROW_COLUMN, pa.int64())).with_metadata({FINGERPRINT_KEY: fingerprint.encode()})
+
+
+class OutputDir:
+    """`output.path` and its temp directory, and what a previous run left in them."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tmp = self.path.parent / f".{self.path.name}.batchgen-tmp"
+        self.staging = self.tmp / "final"
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
+
+    def run_parts(self) -> list[Path]:
+        return [self.path / n for n in self.names() if RUN_PART.fullmatch(n)]
+
+    def final_parts(self) -> list[Path]:
+        return [self.path / n for n in self.names() if FINAL_PART.fullmatch(n)]
+
+    def foreign_names(self) -> list[str]:
+        """Files batchgen did not write (hidden files aside)."""
+        ours = lambda n: n == SUCCESS or RUN_PART.fullmatch(n) or FINAL_PART.fullmatch(n) or n.startswith(".")
+        return [n for n in self.names() if not ours(n)]
+
+    def success(self) -> dict | None:
+        path = self.path / SUCCESS
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def pending_plan(self) -> dict | None:
+        """A finalization that was decided but maybe not fully applied (a crash during the final renames)."""
+        path = self.staging / PLAN
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def part_fingerprints(self) -> set[str]:
+        found = set()
+        for part in self.run_parts():
+            metadata = pq.read_schema(part).metadata or {}
+            found.add(metadata.get(FINGERPRINT_KEY, b"").decode())
+        return found
+
+    def done_rows(self, total_rows: int) -> bytearray:
+        """The ledger: done[row] is 1 for every input row already committed."""
+        done = bytearray(total_rows)
+        marks = np.frombuffer(done, dtype=np.uint8)
+        for part in self.run_parts():
+            rows = pq.read_table(part, columns=[ROW_COLUMN]).column(0).to_numpy()
+            marks[rows] = 1
+        return done
+
+    def next_seq(self) -> int:
+        seqs = [int(RUN_PART.fullmatch(p.name).group(1)) for p in self.run_parts()]
+        return max(seqs, default=-1) + 1
+
+    def prepare_tmp(self) -> None:
+        """Create the temp directory; drop half-written files a killed run left there."""
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        for stray in self.tmp.glob("*.inprogress"):
+            stray.unlink()
+
+    def remove_outputs(self) -> None:
+        """--overwrite: remove everything batchgen wrote (never foreign files)."""
+        for name in self.names():
+            if name == SUCCESS or RUN_PART.fullmatch(name) or FINAL_PART.fullmatch(name):
+                (self.path / name).unlink()
+        if self.staging.exists():
+            shutil.rmtree(self.staging)
+        self.prepare_tmp()
+
+
+class PartWriter:
+    """Buffers output rows and commits them as run parts: written under the temp directory, fsynced, renamed
+    into `output.path`. A commit happens every `rows_per_part` rows or `commit_interval_s` seconds."""
+
+    def __init__(self, out: OutputDir, schema: pa.Schema, fingerprint: str, rows_per_part: int,
+                 commit_interval_s: float, sort_by_row: bool, clock: Callable[[], float] = time.monotonic):
+        self.out = out
+        self.schema = run_part_schema(schema, fingerprint)
+        self.rows_per_part = rows_per_part
+        self.commit_interval_s = commit_interval_s
+        self.sort_by_row = sort_by_row
+        self.clock = clock
+        self.seq = out.next_seq()
+        self.columns: dict[str, list] = {name: [] for name in self.schema.names}
+        self.keep_names = self.schema.names[len(OUTPUT_COLUMNS):-1]
+        self.last_commit = clock()
+        self.committed_rows = 0
+
+    def add(self, row: int, ident: Any, keep: tuple, result: Result) -> None:
+        c = self.columns
+        c["id"].append(ident)
+        c["text"].append(result.text)
+        c["finish_reason"].append(result.finish_reason)
+        c["error"].append(result.error)
+        c["prompt_tokens"].append(result.prompt_tokens)
+        c["output_tokens"].append(result.output_tokens)
+        c["cached_tokens"].append(result.cached_tokens)
+        c["queue_s"].append(result.queue_s)
+        c["ttft_s"].append(result.ttft_s)
+        c["tpot_s"].append(result.tpot_s)
+        c["e2e_s"].append(result.e2e_s)
+        c["arrival_time"].append(_micros(result.arrival_time))
+        c["first_token_time"].append(_micros(result.first_token_time))
+        c["finish_time"].append(_micros(result.finish_time))
+        c["num_preemptions"].append(result.num_preemptions)
+        for name, value in zip(self.keep_names, keep):
+            c[name].append(value)
+        c[ROW_COLUMN].append(row)
+        if len(c[ROW_COLUMN]) >= self.rows_per_part or self.clock() - self.last_commit >= self.commit_interval_s:
+            self.commit()
+
+    def commit(self) -> None:
+        self.last_commit = self.clock()
+        if not self.columns[ROW_COLUMN]:
+            return
+        table = pa.table({name: pa.array(values, type=self.schema.field(name).type)
+                          for name, values in self.columns.items()}, schema=self.schema)
+        if self.sort_by_row:
+            table = table.sort_by(ROW_COLUMN)
+        atomic_write(table, self.out, f"run-{self.seq:05d}.parquet", row_group_size=1024)
+        self.seq += 1
+        self.committed_rows += table.num_rows
+        self.columns = {name: [] for name in self.schema.names}
+
+
+def _micros(t: float | None) -> int | None:
+    return None if t is None else int(round(t * 1_000_000))
+
+
+def atomic_write(table: pa.Table, out: OutputDir, name: str, row_group_size: int | None = None,
+                 directory: Path | None = None) -> None:
+    """Write under the temp directory, fsync, then rename to `directory/name` (default: the output path)."""
+    target = (directory or out.path) / name
+    scratch = out.tmp / f"{name}.inprogress"
+    pq.write_table(table, scratch, row_group_size=row_group_size)
+    _fsync(scratch)
+    os.replace(scratch, target)
+    _fsync(target.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    scratch = path.with_name(path.name + ".inprogress")
+    scratch.write_text(text)
+    _fsync(scratch)
+    os.replace(scratch, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- the final rewrite ---------------------------------------------------------------------------------------------
+
+@dataclass
+class RowTotals:
+    """Sums over the output rows, for _SUCCESS."""
+
+    rows: int = 0
+    rows_ok: int = 0
+    rows_error: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    generated_prompt_tokens: int = 0  # prompt tokens of the rows that were not errors
+
+    def add(self, table: pa.Table) -> None:
+        is_error = pc.equal(table["finish_reason"], "error")
+        errors = pc.sum(is_error).as_py() or 0
+        generated = pc.filter(table["prompt_tokens"], pc.invert(is_error))
+        self.generated_prompt_tokens += pc.sum(generated).as_py() or 0
+        self.rows += table.num_rows
+        self.rows_error += errors
+        self.rows_ok += table.num_rows - errors
+        for name, column in (("prompt_tokens", "prompt_tokens"), ("output_tokens", "output_tokens"),
+                             ("cached_tokens", "cached_tokens"), ("preemptions", "num_preemptions")):
+            setattr(self, name, getattr(self, name) + (pc.sum(table[column]).as_py() or 0))
+
+
+def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
+             summary: Callable[[RowTotals], dict]) -> dict:
+    """Rewrite the run parts as the final parts (input or completion order, without `_row`) and write
+    _SUCCESS. Crash-safe: the final parts are built in the temp directory while the run parts stay; then a plan
+    naming what to remove and what to move in is committed, and applied (again, on resume, if interrupted)."""
+    if out.staging.exists():
+        shutil.rmtree(out.staging)
+    out.staging.mkdir(parents=True)
+    run_parts = out.run_parts()
+    tables = ordered_tables(run_parts, total_rows, rows_per_part) if order == "input" \
+        else (pq.read_table(p) for p in run_parts)
+    totals, names = RowTotals(), []
+    for table in tables:
+        table = table.drop_columns([ROW_COLUMN]).cast(schema)
+        totals.add(table)
+        names.append(f"part-{len(names):05d}.parquet")
+        atomic_write(table, out, names[-1], directory=out.staging)
+    if not names:  # an empty input still gets one (empty) part, so that readers find a file
+        names.append("part-00000.parquet")
+        atomic_write(schema.empty_table(), out, names[-1], directory=out.staging)
+    if totals.rows != total_rows:
+        raise RuntimeError(f"internal error: {totals.rows} rows committed for {total_rows} input rows")
+    plan = {"remove": [p.name for p in run_parts], "add": names, "success": summary(totals)}
+    atomic_write_text(out.staging / PLAN, json.dumps(plan))
+    return apply_plan(out)
+
+
+def apply_plan(out: OutputDir) -> dict:
+    """Remove the run parts, move the final parts in, write _SUCCESS, remove the temp directory.
+    Every step can be repeated, so an interrupted apply is finished by applying again."""
+    plan = out.pending_plan()
+    for name in plan["remove"]:
+        (out.path / name).unlink(missing_ok=True)
+    for name in plan["add"]:
+        if (out.staging / name).exists():
+            os.replace(out.staging / name, out.path / name)
+    _fsync(out.path)
+    atomic_write_text(out.path / SUCCESS, json.dumps(plan["success"], indent=2) + "\n")
+    shutil.rmtree(out.tmp, ignore_errors=True)
+    return plan["success"]
+
+
+def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -> Iterator[pa.Table]:
+    """The committed rows in input order, `rows_per_part` input positions per table. Run parts are sorted by
+    `_row` and their row groups carry min/max statistics: walking the ranges in order, each row group is read once,
+    when the first range it overlaps comes up, and dropped after the last one. Memory follows the sort window
+    (how far apart rows committed together lie in the input), not the output size."""
+    groups = []  # (min row, max row, part, row group index)
+    for part in run_parts:
+        metadata = pq.ParquetFile(part).metadata
+        column = metadata.schema.to_arrow_schema().get_field_index(ROW_COLUMN)
+        for i in range(metadata.num_row_groups):
+            if metadata.row_group(i).num_rows:
+                stats = metadata.row_group(i).column(column).statistics
+                groups.append((stats.min, stats.max, part, i))
+    groups.sort(key=lambda g: g[0])
+    loaded = 0
+    active: list[tuple[int, pa.Table, np.ndarray]] = []  # (max row, rows sorted by _row, their _row values)
+    for start in range(0, total_rows, rows_per_part):
+        stop = start + rows_per_part
+        while loaded < len(groups) and groups[loaded][0] < stop:
+            high, part, i = groups[loaded][1:]
+            table = pq.ParquetFile(part).read_row_group(i)
+            active.append((high, table, table[ROW_COLUMN].to_numpy()))
+            loaded += 1
+        pieces = []
+        for _, table, rows in active:
+            first, end = np.searchsorted(rows, [start, stop])
+            if end > first:
+                pieces.append(table.slice(first, end - first))
+        active = [entry for entry in active if entry[0] >= stop]
+        if pieces:
+            yield pa.concat_tables(pieces).sort_by(ROW_COLUMN)

@@ -1,0 +1,209 @@
+"""Resume: a real `kill -9` of the CLI mid-run, then the same command again -> every row exactly once and the
+rows committed before the kill not generated again; a changed job is refused; a failure commits what finished;
+a crash inside the final rewrite is finished on the next run; one run per output at a time."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from batchgen.engine.request import Result
+from batchgen.job import load_job, prepare_job, runner
+from batchgen.job import sink as sink_module
+from batchgen.job.config import ROW_COLUMN
+from batchgen.job.sink import PartWriter
+from batchgen.job.runner import fingerprint_text
+
+SYSTEM = "You are a friendly tutor. Answer the student's question in two or three sentences, simply and kindly."
+TOPICS = ["volcanoes", "photosynthesis", "fractions", "the moon", "rainbows", "magnets", "bees", "tides",
+          "clouds", "gravity", "seasons", "deserts", "fossils", "earthquakes", "the heart", "electricity",
+          "rivers", "glaciers", "bats", "coral reefs"]
+
+
+def run_cli(job: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchgen", "run", str(job), *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def make_job(root: Path, rows: int, **sections) -> Path:
+    table = pa.table({"qid": [f"q{i:03d}" for i in range(rows)],
+                      "prompt": [f"Why do we have {TOPICS[i % len(TOPICS)]}? (question {i})" for i in range(rows)]})
+    pq.write_table(table, root / "in.parquet")
+    job = {
+        "model": "default",
+        "input": {"path": str(root / "in.parquet"), "id_column": "qid", "system_prompt": SYSTEM},
+        "sampling": {"max_tokens": 16},
+        "engine": {"max_num_seqs": 2, "max_num_batched_tokens": 256, "kv_cache_memory": "64MiB"},
+        "output": {"path": str(root / "out"), "rows_per_part": 2},
+    }
+    for key, value in sections.items():
+        job[key] = {**job[key], **value}
+    path = root / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def run_parts(out: Path) -> list[Path]:
+    return sorted(out.glob("run-*.parquet"))
+
+
+def committed_rows(out: Path) -> pl.DataFrame:
+    return pl.concat([pl.read_parquet(p) for p in run_parts(out)])
+
+
+def test_kill_9_then_rerun_finishes_every_row_once(tmp_path):
+    rows = 16
+    job = make_job(tmp_path, rows, sampling={"max_tokens": 12}, engine={"max_num_seqs": 4})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(run_parts(out)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = time.time()
+    assert proc.returncode == -signal.SIGKILL
+
+    assert not (out / "_SUCCESS").exists()
+    assert all(p.name.startswith("run-") for p in out.iterdir())  # nothing half-written in the output
+    before = committed_rows(out)
+    assert 4 <= before.height < rows
+    assert before["id"].n_unique() == before.height
+
+    # a changed job is refused and touches nothing
+    snapshot = {p.name: p.read_bytes() for p in run_parts(out)}
+    for change, what in [("sampling.max_tokens=8", "sampling"), ("input.system_prompt=Be terse.", "input"),
+                         ("dtype=bfloat16", "dtype")]:
+        refused = run_cli(job, "--set", change)
+        assert refused.returncode == 2, refused.stderr
+        assert f"holds rows of a different job ({what} changed)" in refused.stderr
+    assert {p.name: p.read_bytes() for p in run_parts(out)} == snapshot
+
+    # the same job (engine settings may change: they do not change results) resumes
+    resumed = run_cli(job, "--set", "engine.max_num_seqs=8")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = pl.read_parquet(f"{out}/*.parquet")
+    assert final["id"].to_list() == [f"q{i:03d}" for i in range(rows)]  # every row once, input order
+    assert ROW_COLUMN not in final.columns
+    assert sorted(p.name for p in out.iterdir())[0] == "_SUCCESS" and not (tmp_path / ".out.batchgen-tmp").exists()
+
+    # rows committed before the kill were kept as they were, the rest generated after it
+    kept = final.join(before.select("id", "text", "arrival_time", "finish_time"), on="id", suffix="_before")
+    assert kept.height == before.height
+    assert kept["text"].to_list() == kept["text_before"].to_list()
+    assert kept["finish_time"].to_list() == kept["finish_time_before"].to_list()
+    fresh = final.filter(~pl.col("id").is_in(before["id"].to_list()))
+    assert fresh.height == rows - before.height
+    assert all(t.timestamp() >= killed_at for t in fresh["arrival_time"].to_list())
+
+    summary = json.loads((out / "_SUCCESS").read_text())
+    assert summary["resumed"] is True and summary["rows_this_run"] == rows - before.height
+    assert summary["rows"] == rows and summary["output_tokens"] == final["output_tokens"].sum()
+
+    again = run_cli(job)
+    assert again.returncode == 0 and "already complete" in again.stderr
+
+
+# -- without the model: the ledger alone decides what is left --------------------------------------------------------
+
+def fake_result(row: int) -> Result:
+    t = 1_700_000_000.0 + row
+    return Result(row, f"committed {row}", [1, 2], "length", None, 5, 2, 0, 0, t, t, t + 0.1, t + 0.2)
+
+
+def commit_all_rows(job_path: Path, rows: int, *, order=None) -> None:
+    """What an earlier run had committed when it died: every row, in part files."""
+    prepared = prepare_job(load_job(job_path))
+    writer = PartWriter(prepared.out, prepared.schema, fingerprint_text(prepared.fingerprint), 2, 60.0, True)
+    for row in order or range(rows):
+        writer.add(row, f"q{row:03d}", (), fake_result(row))
+    writer.commit()
+    prepared.release()
+
+
+def test_all_rows_committed_finishes_without_generating(tmp_path):
+    job = make_job(tmp_path, 5)
+    commit_all_rows(job, 5, order=[3, 1, 4, 0, 2])
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 0, result.output
+    final = pl.read_parquet(f"{tmp_path / 'out'}/*.parquet")
+    assert final["text"].to_list() == [f"committed {i}" for i in range(5)]
+
+
+def test_crash_in_final_rewrite_is_finished_by_the_next_run(tmp_path, monkeypatch):
+    job = make_job(tmp_path, 5)
+    commit_all_rows(job, 5)
+    real_replace = os.replace
+    calls = []
+
+    def crash_on_first_final_move(src, dst):
+        if Path(src).parent.name == "final" and Path(dst).name.startswith("part-"):
+            calls.append(dst)
+            raise OSError("power cut")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(sink_module.os, "replace", crash_on_first_final_move)
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 1 and "runtime failure: OSError: power cut" in result.stderr
+    assert calls and not (tmp_path / "out" / "_SUCCESS").exists()
+    monkeypatch.undo()
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 0, result.output
+    final = pl.read_parquet(f"{tmp_path / 'out'}/*.parquet")
+    assert final["id"].to_list() == [f"q{i:03d}" for i in range(5)]
+    assert final["text"].to_list() == [f"committed {i}" for i in range(5)]
+
+
+def test_runtime_failure_exits_1_and_keeps_what_finished(tmp_path, monkeypatch):
+    """The real engine, stopped by a failure after three results: those three are committed."""
+    job = make_job(tmp_path, 6, sampling={"max_tokens": 4}, engine={"max_num_seqs": 6}, output={"rows_per_part": 100})
+    real_load = runner.load_engine
+
+    class FailingAfterThree:
+        def __init__(self, engine):
+            self.engine = engine
+            self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+
+        def generate(self, requests):
+            for n, result in enumerate(self.engine.generate(requests)):
+                if n == 3:
+                    raise RuntimeError("device lost")
+                yield result
+
+    monkeypatch.setattr(runner, "load_engine", lambda prepared: FailingAfterThree(real_load(prepared)))
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 1
+    assert "runtime failure: RuntimeError: device lost" in result.stderr and "re-run" in result.stderr
+    out = tmp_path / "out"
+    assert committed_rows(out).height == 3 and not (out / "_SUCCESS").exists()
+
+
+def test_one_run_per_output_at_a_time(tmp_path):
+    job = make_job(tmp_path, 2)
+    holder = prepare_job(load_job(job))  # holds the output's lock, as a running job would
+    try:
+        result = CliRunner().invoke(main, ["run", str(job)])
+        assert result.exit_code == 2 and "another batchgen run is writing" in result.stderr
+    finally:
+        holder.release()
+
+
+def test_overwrite_discards_committed_rows(tmp_path):
+    job = make_job(tmp_path, 3)
+    commit_all_rows(job, 3)
+    prepared = prepare_job(load_job(job, ["sampling.max_tokens=3"]), overwrite=True)
+    prepared.release()
+    assert list((tmp_path / "out").iterdir()) == []
