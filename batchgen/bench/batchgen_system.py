@@ -1,0 +1,41 @@
+"""batchgen itself: the Engine over the rows, sorted by token ids as `batchgen run` sorts them (`sort: prefix`)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from .systems import BenchOptions, RowOutput, SystemRun, elapsed
+
+
+def run(rows: list, options: BenchOptions, prefix_caching: bool) -> SystemRun:
+    from batchgen.engine import Engine, Request, SamplingParams
+    from batchgen.job.source import sort_windows
+
+    name = "batchgen" if prefix_caching else "batchgen-nocache"
+    args = dataclasses.replace(options.engine_args, enable_prefix_caching=prefix_caching)
+    started = time.monotonic()
+    engine = Engine(args)
+    load_s = elapsed(started)
+
+    ordered = list(sort_windows(rows, window=len(rows) + 1, how="prefix"))  # the job source's sort, one window
+    requests = [Request(row.id, row.token_ids, SamplingParams(max_tokens=row.max_tokens, temperature=0.0))
+                for row in ordered]
+    started = time.monotonic()
+    start_wall = engine.clock.wall(started)  # Result times are wall-clock through the engine's own anchor
+    results = list(engine.generate(requests))
+    wall_s = elapsed(started)
+
+    errors = [r for r in results if r.finish_reason == "error"]
+    if errors:
+        return SystemRun.unavailable(name, f"{len(errors)} rows failed, e.g. row {errors[0].request_id}: "
+                                           f"{errors[0].error}")
+    outputs = [RowOutput(r.request_id, list(r.token_ids),
+                         None if r.first_token_time is None else r.first_token_time - start_wall,
+                         r.finish_time - start_wall, r.cached_tokens) for r in results]
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    cached_tokens = sum(r.cached_tokens for r in results)
+    parameters = sum(p.numel() for p in engine.model.parameters())  # a tied lm_head is counted once
+    details = {"engine_args": dataclasses.asdict(args), "parameters": parameters,
+               "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+               "engine_stats": engine.stats()}
+    return SystemRun(name, True, load_s=load_s, wall_s=wall_s, rows=outputs, details=details)

@@ -1,0 +1,166 @@
+"""One benchmark run: build the workload, measure the machine's ceiling, run every system on the same rows one
+after another in this process, then compare, and write the JSON record, the chart and the archive line."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from . import ceiling, report
+from .systems import SYSTEMS, BenchOptions, SystemRun, run_system
+from .workloads import Workload, job_workload, synthetic_workload
+
+
+@dataclass
+class BenchConfig:
+    job: str | None = None  # a job file: its rows instead of a synthetic workload
+    workload: str = "generation"
+    rows: int | None = None  # default: 200 synthetic rows, or every row of the job
+    seed: int = 0
+    systems: tuple[str, ...] = ("batchgen", "batchgen-nocache", "hf-static", "hf-continuous", "vllm")
+    hf_batch_sizes: tuple[int, ...] = (16, 32)
+    vllm_python: str | None = None
+    out_dir: str = "bench-results"
+    archive: str = "bench-results/archive.jsonl"
+    max_num_seqs: int | None = None
+    kv_cache_memory: str | None = None
+    max_tokens_scale: float = 1.0  # for quick runs (tests): every row's max_tokens times this
+    hf_continuous_time_limit_s: float = 1800.0
+    ceiling_n: int = 2048
+
+    def validate(self) -> None:
+        unknown = [name for name in self.systems if name not in SYSTEMS]
+        if unknown or not self.systems:
+            raise ValueError(f"--systems: unknown {', '.join(unknown) or '(none given)'}; "
+                             f"choose from {', '.join(SYSTEMS)}")
+        if not self.hf_batch_sizes or any(size < 1 for size in self.hf_batch_sizes):
+            raise ValueError(f"--hf-batch-sizes must be positive integers, got {self.hf_batch_sizes}")
+        if self.rows is not None and self.rows < 1:
+            raise ValueError(f"--rows must be at least 1, got {self.rows}")
+        if self.max_tokens_scale <= 0:
+            raise ValueError(f"--max-tokens-scale must be positive, got {self.max_tokens_scale}")
+
+
+@dataclass
+class BenchResult:
+    record: dict[str, Any]
+    record_path: Path
+    chart_path: Path
+    archive_path: Path
+    runs: dict[str, SystemRun] = field(default_factory=dict)
+
+
+def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchResult:
+    config.validate()
+    started_at = datetime.now(timezone.utc)
+    workload, engine_args = build_workload(config)
+    log(f"bench: workload {workload.name}: {len(workload.rows)} rows, {workload.prompt_tokens:,} prompt tokens, "
+        f"up to {workload.max_output_tokens:,} output tokens")
+    log("bench: measuring the machine's fp32 matmul ceiling")
+    machine_ceiling = ceiling.matmul_flops(config.ceiling_n)
+
+    options = BenchOptions(engine_args, tuple(config.hf_batch_sizes), config.vllm_python,
+                           config.hf_continuous_time_limit_s)
+    runs: dict[str, SystemRun] = {}
+    for name in dict.fromkeys(config.systems):
+        log(f"bench: running {name}" + (f" (batch sizes {', '.join(map(str, options.hf_batch_sizes))}, each a "
+                                        f"full run)" if name == "hf-static" else ""))
+        runs[name] = run_system(name, workload.rows, options)
+        run = runs[name]
+        log(f"bench: {name}: " + (f"load {run.load_s:.1f} s, generation {run.wall_s:.1f} s" if run.available
+                                  else f"unavailable: {run.reason}"))
+
+    record = build_record(config, workload, engine_args, machine_ceiling, runs, started_at)
+    stamp = started_at.strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(config.out_dir)
+    record_path = out_dir / f"bench-{workload.name.replace(':', '-')}-{stamp}.json"
+    chart_path = record_path.with_suffix(".png")
+    archive_path = Path(config.archive)
+    report.write_record(record, record_path)
+    report.write_chart(record, chart_path)
+    report.append_archive(record, archive_path)
+    return BenchResult(record, record_path, chart_path, archive_path, runs)
+
+
+def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
+    """The rows, and the engine settings for batchgen (the job's engine section when there is a job)."""
+    from batchgen.engine import EngineArgs
+    from batchgen.model_loader import load_tokenizer, resolve_model
+
+    if config.job:
+        from batchgen.job.config import load_job
+        from batchgen.job.runner import make_engine_args
+
+        engine_args = make_engine_args(load_job(config.job))
+    else:
+        engine_args = EngineArgs(model="default")
+    overrides = {key: value for key, value in (("max_num_seqs", config.max_num_seqs),
+                                               ("kv_cache_memory", config.kv_cache_memory)) if value is not None}
+    engine_args = dataclasses.replace(engine_args, **overrides)
+    engine_args.validate()
+    tokenizer = load_tokenizer(resolve_model(engine_args.model))
+    if config.job:
+        workload = job_workload(config.job, tokenizer, config.rows, config.max_tokens_scale)
+    else:
+        workload = synthetic_workload(config.workload, config.rows or 200, config.seed, tokenizer,
+                                      engine_args.model, config.max_tokens_scale)
+    return workload, engine_args
+
+
+def build_record(config: BenchConfig, workload: Workload, engine_args: Any, machine_ceiling: dict,
+                 runs: dict[str, SystemRun], started_at: datetime) -> dict[str, Any]:
+    reference = report.reference_of(runs)
+    record = {
+        "date": started_at.isoformat(),
+        "git_commit": git_commit(),
+        "machine": machine_info(),
+        "config": {**dataclasses.asdict(config), "engine_args": dataclasses.asdict(engine_args)},
+        "workload": workload.describe(),
+        "ceiling": machine_ceiling,
+        "reference": reference,
+        "systems": {name: report.system_figures(run, workload) for name, run in runs.items()},
+        "comparisons": report.comparisons(runs),
+        "decode": None,
+        "rows": {name: report.row_records(run) for name, run in runs.items() if run.available},
+    }
+    if reference is not None:
+        ref = runs[reference]
+        output_tokens = sum(len(row.token_ids) for row in ref.rows)
+        record["decode"] = ceiling.decode_share(ref.details["parameters"], output_tokens, ref.wall_s,
+                                                machine_ceiling["flops"])
+    return record
+
+
+def git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def machine_info() -> dict[str, Any]:
+    import psutil
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+            "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}

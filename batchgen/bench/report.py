@@ -1,0 +1,216 @@
+"""Figures from the systems' runs, the comparison with batchgen, and their outputs: the printed table, the JSON
+record, the PNG chart, the archive line and the `--history` table."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .systems import SystemRun
+from .workloads import Workload
+
+REFERENCES = ("batchgen", "batchgen-nocache")  # what the ratios are of: the first of these that ran
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    """p50/p90/p99 with linear interpolation between order statistics; None for no values."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+
+    def at(q: float) -> float:
+        position = q * (len(values) - 1)
+        low, high = math.floor(position), math.ceil(position)
+        return values[low] + (values[high] - values[low]) * (position - low)
+
+    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99)}
+
+
+def system_figures(run: SystemRun, workload: Workload) -> dict[str, Any]:
+    figures: dict[str, Any] = {"available": run.available, "reason": run.reason}
+    if not run.available:
+        figures["details"] = run.details
+        return figures
+    prompt_tokens = workload.prompt_tokens
+    output_tokens = sum(len(row.token_ids) for row in run.rows)
+    cache_hit = run.details.get("prefix_cache_hit_rate")
+    figures.update({
+        "load_s": run.load_s, "wall_s": run.wall_s, "rows": len(run.rows),
+        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "prompt_tok_s": prompt_tokens / run.wall_s, "output_tok_s": output_tokens / run.wall_s,
+        "ttft_s": percentiles([row.ttft_s for row in run.rows]),
+        "tpot_s": percentiles([row.tpot_s for row in run.rows]),
+        "peak_rss_bytes": run.peak_rss_bytes, "prefix_cache_hit_rate": cache_hit,
+        "details": {k: v for k, v in run.details.items() if k != "prefix_cache_hit_rate"},
+    })
+    return figures
+
+
+def reference_of(runs: dict[str, SystemRun]) -> str | None:
+    return next((name for name in REFERENCES if name in runs and runs[name].available), None)
+
+
+def comparisons(runs: dict[str, SystemRun]) -> dict[str, dict[str, Any]]:
+    """For each other system that ran: batchgen's output tok/s over its own (the speed ratio, > 1 = batchgen is
+    faster), the wall-time ratio on the same rows, and the share of rows whose greedy token ids equal batchgen's."""
+    reference = reference_of(runs)
+    if reference is None:
+        return {}
+    ref = runs[reference]
+    ref_tokens = {row.id: row.token_ids for row in ref.rows}
+    ref_speed = sum(len(t) for t in ref_tokens.values()) / ref.wall_s
+    result = {}
+    for name, run in runs.items():
+        if name == reference or not run.available:
+            continue
+        speed = sum(len(row.token_ids) for row in run.rows) / run.wall_s
+        identical = sum(1 for row in run.rows if ref_tokens.get(row.id) == row.token_ids)
+        total = max(len(ref_tokens), len(run.rows))
+        result[name] = {"speedup": ref_speed / speed if speed else None, "wall_ratio": run.wall_s / ref.wall_s,
+                        "identical_rows": identical, "rows": total,
+                        "identical_share": identical / total if total else None}
+    return result
+
+
+def row_records(run: SystemRun) -> list[dict[str, Any]]:
+    return [{"id": row.id, "output_tokens": len(row.token_ids), "ttft_s": row.ttft_s, "tpot_s": row.tpot_s,
+             "cached_tokens": row.cached_tokens, "token_ids": row.token_ids}
+            for row in sorted(run.rows, key=lambda row: row.id)]
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+
+def archive_entry(record: dict[str, Any]) -> dict[str, Any]:
+    """The record without per-row outputs or tracebacks: one line of the performance archive."""
+    entry = {key: value for key, value in record.items() if key != "rows"}
+    entry["systems"] = {}
+    for name, figures in record["systems"].items():
+        details = {k: v for k, v in figures.get("details", {}).items() if k != "traceback"}
+        entry["systems"][name] = {**figures, "details": details}
+    return entry
+
+
+def append_archive(record: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(archive_entry(record)) + "\n")
+
+
+def write_record(record: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def write_chart(record: dict[str, Any], path: Path) -> None:
+    """Bars of output tok/s per system that ran, each baseline annotated with batchgen's speed ratio over it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [(name, f) for name, f in record["systems"].items() if f["available"]]
+    names = [label_of(name, f) for name, f in ran]
+    speeds = [f["output_tok_s"] for _, f in ran]
+    figure, axes = plt.subplots(figsize=(max(5.0, 1.6 * len(ran) + 2), 4.5))
+    colors = ["tab:blue" if name.startswith("batchgen") else "tab:gray" for name in names]
+    bars = axes.bar(names, speeds, color=colors)
+    for bar, (name, _) in zip(bars, ran):
+        compared = record["comparisons"].get(name)
+        label = f"{bar.get_height():,.1f} tok/s"
+        if compared and compared["speedup"] is not None:
+            label += f"\n{record['reference']} {compared['speedup']:.2f}x"
+        axes.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                      fontsize=8, xytext=(0, 2), textcoords="offset points")
+    workload = record["workload"]
+    axes.set_ylabel("output tokens / s (generation wall time)")
+    axes.set_title(f"{workload['name']}, {workload['rows']} rows, greedy — {record['date'][:16]}\n"
+                   f"{record['machine']['cpu']} ({record['machine']['cores']} cores)", fontsize=9)
+    axes.set_ylim(0, max(speeds or [1]) * 1.3)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# -- tables ------------------------------------------------------------------------------------------------------
+
+def label_of(name: str, figures: dict) -> str:
+    """The system's name, with hf-static's winning batch size."""
+    size = figures.get("details", {}).get("batch_size")
+    return f"{name} (B={size})" if size is not None else name
+
+
+def _fmt(value: Any, spec: str = ",.1f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _pcts(p: dict | None, scale: float = 1000.0) -> str:
+    return "-" if p is None else "/".join(f"{p[k] * scale:,.0f}" for k in ("p50", "p90", "p99"))
+
+
+def render_table(header: list[str], lines: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [header] + lines) for i in range(len(header))]
+    out = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+           for row in [header] + lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """The compact summary printed at the end of a run."""
+    reference = record["reference"] or "batchgen"
+    header = ["system", "load s", "wall s", "prompt tok/s", "out tok/s", "TTFT ms p50/90/99", "TPOT ms p50/90/99",
+              "peak RSS", "cache hit", f"{reference} x", "same as ref"]
+    lines, unavailable = [], []
+    for name, f in record["systems"].items():
+        if not f["available"]:
+            unavailable.append(f"  {name}: unavailable — {f['reason']}")
+            continue
+        compared = record["comparisons"].get(name, {})
+        lines.append([label_of(name, f), _fmt(f["load_s"]), _fmt(f["wall_s"]), _fmt(f["prompt_tok_s"]),
+                      _fmt(f["output_tok_s"]), _pcts(f["ttft_s"]), _pcts(f["tpot_s"]),
+                      _fmt(f["peak_rss_bytes"] / 2**20, ",.0f", " MiB"), _fmt(f["prefix_cache_hit_rate"], ".0%"),
+                      _fmt(compared.get("speedup"), ".2f", "x"), _fmt(compared.get("identical_share"), ".0%")])
+    workload = record["workload"]
+    parts = [f"batchgen bench: {workload['name']}, {workload['rows']} rows, {workload['prompt_tokens']:,} prompt "
+             f"tokens, greedy ({record['date'][:19]}, {record['machine']['cpu']}, {record['machine']['cores']} "
+             f"cores, {record['machine']['torch_threads']} torch threads)"]
+    if lines:
+        parts.append(render_table(header, lines))
+    parts += unavailable
+    ceiling = record["ceiling"]
+    parts.append(f"  machine ceiling: {ceiling['flops'] / 1e9:,.1f} GFLOP/s (fp32 {ceiling['matmul_n']}x"
+                 f"{ceiling['matmul_n']} matmul, best of {ceiling['reps']})")
+    decode = record.get("decode")
+    if decode:
+        parts.append(f"  {reference} during decode: {decode['decode_flops'] / 1e9:,.2f} GFLOP/s = "
+                     f"{decode['share_of_ceiling']:.1%} of the ceiling ({decode['note']})")
+    parts.append(f"  {reference} x = {reference}'s output tok/s over the system's, on the same rows; "
+                 f"same as ref = rows whose greedy token ids equal {reference}'s")
+    return "\n".join(parts)
+
+
+def history_table(path: Path) -> str:
+    """The archive as a table: one line per system per run."""
+    if not path.is_file():
+        return f"no archive at {path} (a bench run appends to it)"
+    lines = []
+    for text in path.read_text().splitlines():
+        if not text.strip():
+            continue
+        entry = json.loads(text)
+        commit = (entry.get("git_commit") or "-")[:8]
+        for name, f in entry["systems"].items():
+            compared = entry.get("comparisons", {}).get(name, {})
+            if f["available"]:
+                figures = [_fmt(f["wall_s"]), _fmt(f["output_tok_s"]), _fmt(f.get("prefix_cache_hit_rate"), ".0%"),
+                           _fmt(compared.get("speedup"), ".2f", "x"), _fmt(compared.get("identical_share"), ".0%")]
+            else:
+                figures = ["unavailable", "-", "-", "-", "-"]
+            lines.append([entry["date"][:16], commit, entry["workload"]["name"], str(entry["workload"]["rows"]),
+                          name] + figures)
+    if not lines:
+        return f"the archive {path} is empty"
+    header = ["date", "commit", "workload", "rows", "system", "wall s", "out tok/s", "cache hit", "batchgen x",
+              "same"]
+    return render_table(header, lines)
