@@ -27,22 +27,19 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
-    """One query token per sequence ([B, Hq, D]) against its whole paged context, all sequences at once."""
+    """One query token per sequence ([B, Hq, D]) against its whole paged context, all sequences at once: gather the
+    batch's blocks (up to the longest context) and mask each sequence's tail."""
     batch, q_heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q_heads // kv_heads
     num_blocks = (max_seq_len + block_size - 1) // block_size
     table = block_tables[:, :num_blocks]
-    k = k_cache[table].flatten(1, 2)  # [B, L, Hkv, D]
-    v = v_cache[table].flatten(1, 2)
-    qg = q.view(batch, kv_heads, group, dim).float()
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
-    positions = torch.arange(k.shape[1], device=q.device)
-    mask = positions[None, :] >= seq_lens[:, None].to(positions.dtype)  # [B, L]
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-    return out.reshape(batch, q_heads, dim).to(q.dtype)
+    k = k_cache[table].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache[table].flatten(1, 2).transpose(1, 2)
+    qg = q.view(batch, kv_heads, q_heads // kv_heads, dim)  # the query heads that share each KV head
+    visible = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None, None, :],
+                                         scale=scale)
+    return out.reshape(batch, q_heads, dim)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
