@@ -106,7 +106,8 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
     the archive."""
     from pathlib import Path
 
-    from batchgen.bench import BenchConfig, format_table, history_table, run_bench
+    from batchgen.bench.harness import BenchConfig, run_bench
+    from batchgen.bench.report import format_table, history_table
 
     if history:
         click.echo(history_table(Path(archive)))

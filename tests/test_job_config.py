@@ -39,7 +39,7 @@ def test_defaults_follow_the_issue_contract(tmp_path):
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.stop) == (256, 0.0, 1.0, 0, 0.0, None, ())
     e = config.engine
     assert (e.max_num_seqs, e.max_num_batched_tokens, e.block_size, e.kv_cache_memory, e.enable_prefix_caching,
-            e.sort) == (256, 4096, 16, "2GiB", True, "prefix")
+            e.sort) == (256, 4096, 16, None, True, "prefix")
     assert (config.output.keep_columns, config.output.order) == ((), "input")
 
 

@@ -66,14 +66,12 @@ def cache_size(model, options: BenchOptions) -> dict:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
     except ImportError:
         return {}
-    if options.engine_args.kv_cache_memory is None:
-        return {}
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     bytes_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * 4  # K and V, fp32
     page_size = getattr(ContinuousBatchingConfig(), "page_size", 256)  # tokens per block
-    num_blocks = max(1, parse_bytes(options.engine_args.kv_cache_memory) // (bytes_per_token * page_size))
+    num_blocks = max(1, parse_bytes(options.engine_args.cpu_kv_cache_memory()) // (bytes_per_token * page_size))
     return {"continuous_batching_config": ContinuousBatchingConfig(num_blocks=num_blocks)}
 
 

@@ -24,9 +24,7 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
         return SystemRun.unavailable("vllm", f"--vllm-python {options.vllm_python}: no such file")
     # vLLM's CPU default sizes its KV cache from the machine's free memory (and fails when another process holds
     # some); it gets batchgen's budget instead, which also makes the comparison like for like.
-    llm_kwargs = {}
-    if options.engine_args.kv_cache_memory is not None:
-        llm_kwargs["kv_cache_memory_bytes"] = parse_bytes(options.engine_args.kv_cache_memory)
+    llm_kwargs = {"kv_cache_memory_bytes": parse_bytes(options.engine_args.cpu_kv_cache_memory())}
     spec = {"model_dir": str(resolve_model(options.engine_args.model)), "enable_prefix_caching": True,
             "llm_kwargs": llm_kwargs,
             "rows": [{"id": row.id, "prompt_token_ids": row.token_ids, "max_tokens": row.max_tokens}

@@ -11,7 +11,9 @@ import torch
 
 from ..model_loader import eos_token_ids, load_model, load_tokenizer, resolve_model
 from .detokenizer import IncrementalDetokenizer, detokenize
-from .engine_args import EngineArgs, parse_bytes
+from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
+from .engine_args import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs, parse_bytes
+from .gpu_memory import kv_cache_budget
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .request import Request, Result
@@ -58,20 +60,39 @@ class Engine:
         self.kv_cache = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.dtype, self.device, self.eos_token_ids)
+        if self.device.type == "cuda" and not args.enforce_eager:
+            self._use_cuda_graphs()
         self._eos = set(self.eos_token_ids)
         self.num_steps = 0
+
+    def _use_cuda_graphs(self) -> None:
+        """Decode-only steps replay CUDA graphs, captured now for every bucketed batch size; eager if that fails."""
+        if not padded_decode_supported(self.device):
+            logger.warning("no CUDA graphs: they need the Triton attention kernels (is triton installed?)")
+            return
+        graphs = DecodeGraphRunner(self.model, self.args.block_size, self.args.max_num_seqs, self.max_model_len,
+                                   self.device, capture=True)
+        try:
+            graphs.capture_all()
+        except Exception as exc:  # noqa: BLE001 -- eager decoding gives the same tokens, only slower
+            logger.warning("no CUDA graphs, decoding eagerly: capturing them failed: %s: %s", type(exc).__name__, exc)
+            return
+        self.runner.decode_graphs = graphs
 
     def _num_kv_blocks(self) -> int:
         m, args = self.model, self.args
         bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
         if args.kv_cache_memory is not None:
-            budget = parse_bytes(args.kv_cache_memory)
-        else:  # CUDA without an explicit budget: what is free after the weights, times the utilisation
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * args.gpu_memory_utilization)
+            budget, source = parse_bytes(args.kv_cache_memory), repr(args.kv_cache_memory)
+        elif self.device.type == "cuda":  # what is free after the weights and a profiling step, times the utilisation
+            budget = kv_cache_budget(m, args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
+                                     args.gpu_memory_utilization)
+            source = f"from gpu_memory_utilization {args.gpu_memory_utilization} ({max(budget, 0)} bytes)"
+        else:
+            budget, source = parse_bytes(DEFAULT_CPU_KV_CACHE_MEMORY), repr(DEFAULT_CPU_KV_CACHE_MEMORY)
         num_blocks = budget // (bytes_per_token * args.block_size)
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory {args.kv_cache_memory!r} holds fewer than 2 blocks of "
+            raise ValueError(f"kv_cache_memory {source} holds fewer than 2 blocks of "
                              f"{args.block_size} tokens ({bytes_per_token} bytes per token)")
         logger.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dims x %s), %d blocks of %d = %d tokens,"
                     " %.2f GiB", bytes_per_token, m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, num_blocks,

@@ -24,6 +24,10 @@ def parse_bytes(value: str | int | float) -> int:
     return size
 
 
+# The KV cache budget when kv_cache_memory is None on the CPU (on CUDA it comes from gpu_memory_utilization).
+DEFAULT_CPU_KV_CACHE_MEMORY = "2GiB"
+
+
 @dataclass
 class EngineArgs:
     model: str = "default"
@@ -32,12 +36,17 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     block_size: int = 16
-    kv_cache_memory: str | int | None = "2GiB"  # None on CUDA: size from gpu_memory_utilization
+    kv_cache_memory: str | int | None = None  # None: DEFAULT_CPU_KV_CACHE_MEMORY on CPU; on CUDA, sized from
+    # gpu_memory_utilization of the free memory after a profiling step
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's context window
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     seed: int = 0  # seeds the seeds drawn for requests that bring none
+
+    def cpu_kv_cache_memory(self) -> str | int:
+        """The KV budget this engine takes on the CPU (what CPU-side baselines should be given)."""
+        return DEFAULT_CPU_KV_CACHE_MEMORY if self.kv_cache_memory is None else self.kv_cache_memory
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -62,5 +71,7 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")

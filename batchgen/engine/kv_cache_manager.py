@@ -45,8 +45,10 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             # Blocks that this step fills become findable now: within a step every layer stores all new K/V before
             # any attention reads them, so a sequence scheduled alongside may already share them.
-            num_full = (num_computed + num_new_tokens) // self.block_size
-            for block, block_hash in zip(seq.blocks[:num_full], seq.full_block_hashes(self.block_size, num_computed + num_new_tokens)):
+            # Only blocks from the first one this step writes to can newly fill up.
+            first = num_computed // self.block_size
+            hashes = seq.full_block_hashes(self.block_size, num_computed + num_new_tokens)
+            for block, block_hash in zip(seq.blocks[first:len(hashes)], hashes[first:]):
                 self.pool.cache_block(block, block_hash)
         return True
 

@@ -6,6 +6,7 @@ import torch
 
 from batchgen_kernels import AttentionMetadata
 
+from .cuda_graphs import DecodeGraphRunner
 from .sampler import Sampler, SamplingBatch
 from .sequence import Sequence
 
@@ -18,6 +19,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
+        self.decode_graphs: DecodeGraphRunner | None = None  # set by the engine on CUDA: decode-only steps
         # One allocation for every layer's K and V. Zeroed, not empty: attention reads whole blocks and masks the
         # positions past a sequence's end, and a masked NaN from uninitialised memory would still poison 0 * v.
         self.kv_cache = torch.zeros((model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim),
@@ -59,8 +61,11 @@ class ModelRunner:
         """Run one step. Returns the sequences that reached their last token this step and the token each sampled."""
         # Decodes (one new token) first: the attention backends batch them together.
         batch = sorted(scheduled.items(), key=lambda item: item[1] != 1)
-        input_ids, positions, metadata = self._prepare(batch)
-        hidden = self.model(input_ids, positions, metadata)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            hidden = self.decode_graphs.run(batch)
+        else:
+            input_ids, positions, metadata = self._prepare(batch)
+            hidden = self.model(input_ids, positions, metadata)
 
         rows, samplers = [], []
         end = 0
@@ -71,7 +76,9 @@ class ModelRunner:
                 samplers.append(seq)
         if not samplers:
             return [], []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < hidden.shape[0]:  # else every row samples (a decode-only step): no gather, no copy
+            hidden = hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(hidden)
         sampling = SamplingBatch.build(
             [seq.params for seq in samplers], [seq.seed for seq in samplers],
             _LazyTokens(samplers, prompt=True), _LazyTokens(samplers, prompt=False),

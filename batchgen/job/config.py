@@ -77,7 +77,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     block_size: int = 16
-    kv_cache_memory: Union[str, int] = "2GiB"
+    kv_cache_memory: Union[str, int, None] = None  # None: 2GiB on the CPU; on CUDA, gpu_memory_utilization decides
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's context window
     sort: Literal["prefix", "length", "none"] = "prefix"
@@ -207,7 +209,7 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
                 errors.append(exc)
         if len(errors) == 1:
             raise errors[0]
-        names = " or ".join(_type_name(a) for a in args)
+        names = " or ".join(_type_name(a) for a in args if a is not type(None))
         raise JobConfigError(f"{key}: expected {names}, got {_describe(value)}")
     if origin is Literal:
         if value not in args:
