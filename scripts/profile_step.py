@@ -1,5 +1,7 @@
 """Where does a step's time go? Runs a workload through the engine with timers around each stage of the step and
-a torch profiler over a few decode steps. Usage: python scripts/profile_step.py [--rows 64] [--max-tokens 64]"""
+a torch profiler over a few decode steps.
+Usage: python scripts/profile_step.py [--rows 64] [--max-tokens 48] [--workload labeling|generation|mixed]
+(without --workload: chat prompts of 40-300 words, each generating exactly --max-tokens tokens)."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +34,7 @@ def main():
     ap.add_argument("--min-words", type=int, default=40)
     ap.add_argument("--max-words", type=int, default=300)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--workload", choices=["labeling", "generation", "mixed"], help="a `batchgen bench` workload")
     ap.add_argument("--torch-profile", action="store_true")
     args = ap.parse_args()
     engine = Engine(EngineArgs(model="default", max_num_seqs=args.max_num_seqs))
@@ -64,9 +67,18 @@ def main():
     timed(ref, "store_kv", "store kv")
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    rows = prompts(engine.tokenizer, args.rows, 0, args.min_words, args.max_words)
+    if args.workload:
+        from batchgen.bench.workloads import synthetic_workload
+        bench_rows = sorted(synthetic_workload(args.workload, args.rows, 0, engine.tokenizer).rows,
+                            key=lambda row: row.token_ids)
+        requests = [Request(row.id, row.token_ids, SamplingParams(max_tokens=row.max_tokens, temperature=0.0))
+                    for row in bench_rows]
+        rows = [row.token_ids for row in bench_rows]
+    else:
+        rows = prompts(engine.tokenizer, args.rows, 0, args.min_words, args.max_words)
+        requests = [Request(i, p, params) for i, p in enumerate(rows)]
     t = time.perf_counter()
-    results = list(engine.generate(Request(i, p, params) for i, p in enumerate(rows)))
+    results = list(engine.generate(requests))
     wall = time.perf_counter() - t
     out_tokens = sum(r.output_tokens for r in results)
     print(f"rows {len(results)}  prompt tokens {sum(r.prompt_tokens for r in results)}  output tokens {out_tokens}  "

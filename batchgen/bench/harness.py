@@ -26,7 +26,7 @@ class BenchConfig:
     hf_batch_sizes: tuple[int, ...] = (16, 32)
     vllm_python: str | None = None
     out_dir: str = "bench-results"
-    archive: str = "bench-results/archive.jsonl"
+    archive: str = "docs/performance-archive.jsonl"  # committed: one line per run, so regressions show
     max_num_seqs: int | None = None
     kv_cache_memory: str | None = None
     max_tokens_scale: float = 1.0  # for quick runs (tests): every row's max_tokens times this
@@ -58,6 +58,7 @@ class BenchResult:
 def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchResult:
     config.validate()
     started_at = datetime.now(timezone.utc)
+    commit = git_commit()  # the code that runs is the code at the start, whatever is committed meanwhile
     workload, engine_args = build_workload(config)
     log(f"bench: workload {workload.name}: {len(workload.rows)} rows, {workload.prompt_tokens:,} prompt tokens, "
         f"up to {workload.max_output_tokens:,} output tokens")
@@ -75,7 +76,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchR
         log(f"bench: {name}: " + (f"load {run.load_s:.1f} s, generation {run.wall_s:.1f} s" if run.available
                                   else f"unavailable: {run.reason}"))
 
-    record = build_record(config, workload, engine_args, machine_ceiling, runs, started_at)
+    record = build_record(config, workload, engine_args, machine_ceiling, runs, started_at, commit)
     stamp = started_at.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(config.out_dir)
     record_path = out_dir / f"bench-{workload.name.replace(':', '-')}-{stamp}.json"
@@ -113,11 +114,11 @@ def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
 
 
 def build_record(config: BenchConfig, workload: Workload, engine_args: Any, machine_ceiling: dict,
-                 runs: dict[str, SystemRun], started_at: datetime) -> dict[str, Any]:
+                 runs: dict[str, SystemRun], started_at: datetime, commit: str | None) -> dict[str, Any]:
     reference = report.reference_of(runs)
     record = {
         "date": started_at.isoformat(),
-        "git_commit": git_commit(),
+        "git_commit": commit,
         "machine": machine_info(),
         "config": {**dataclasses.asdict(config), "engine_args": dataclasses.asdict(engine_args)},
         "workload": workload.describe(),
