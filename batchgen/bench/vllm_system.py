@@ -36,7 +36,7 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
         with open(log_path, "w") as log:
             worker = subprocess.Popen([options.vllm_python, str(WORKER), str(in_path), str(out_path)],
                                       stdout=log, stderr=subprocess.STDOUT)
-            with PeakRSS(worker.pid) as worker_rss:
+            with PeakRSS(worker.pid, children=True) as worker_rss:
                 code = worker.wait()
         total_s = elapsed(started)
         if code != 0 or not out_path.is_file():
