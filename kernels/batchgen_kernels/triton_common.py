@@ -24,3 +24,28 @@ def dot(a, b, WIDEN: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def paged_slots(table, pos, pos_ok, BLOCK_SIZE: tl.constexpr):
+    """Where context positions `pos` of one sequence live: (physical block, offset in block), via its block table."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    return block, pos % BLOCK_SIZE
+
+
+@triton.jit
+def load_paged(cache_ptr, block, in_block, kv_head, stride_b, stride_s, stride_h, dims, mask):
+    """A [positions, head_dim] tile of one KV head from a paged cache [num_blocks, block_size, heads, head_dim]."""
+    return tl.load(cache_ptr + block[:, None] * stride_b + in_block[:, None] * stride_s + kv_head * stride_h
+                   + dims[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def online_softmax_update(scores, m, l, acc, v, WIDEN: tl.constexpr):
+    """Fold one tile of (log2-domain) scores and its values into the running max m, sum l and output acc."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN)
+    return m_new, l, acc

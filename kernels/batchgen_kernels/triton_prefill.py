@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import LOG2E, dot, dot_needs_fp32
+from .triton_common import LOG2E, dot, dot_needs_fp32, load_paged, online_softmax_update, paged_slots
 
 
 
@@ -52,23 +52,15 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
     for tile in range(0, key_end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         pos_ok = pos < key_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        in_block = pos % BLOCK_SIZE
+        block, in_block = paged_slots(table, pos, pos_ok, BLOCK_SIZE)
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh
-                    + dims[None, :], mask=kv_mask, other=0.0)
+        k = load_paged(k_cache_ptr, block, in_block, kv_head, stride_kb, stride_ks, stride_kh, dims, kv_mask)
         scores = dot(q, tl.trans(k), WIDEN_DOT) * scale_log2
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         # Every row sees key 0 in the first tile, so m is finite from then on and exp2(-inf - m) is 0.
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
-                    + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN_DOT)
-        m = m_new
+        v = load_paged(v_cache_ptr, block, in_block, kv_head, stride_vb, stride_vs, stride_vh, dims, kv_mask)
+        m, l, acc = online_softmax_update(scores, m, l, acc, v, WIDEN_DOT)
 
     out = acc / l[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
