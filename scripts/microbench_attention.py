@@ -1,0 +1,93 @@
+"""One-layer microbenchmarks behind docs/performance.md's predictions (random data, this machine's CPU):
+  decode:  one gather of the whole batch vs length-sorted groups of ~N gathered tokens (reference.decode_groups)
+  prefill: SDPA's masked path vs two batched matmuls per KV head, for new tokens after a cached prefix
+  mlp:     SwiGLU MLP of the default model at a 4,096- vs 2,048-token step
+Usage: python scripts/microbench_attention.py [decode|prefill|mlp ...]"""
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import batchgen_kernels.reference as ref
+
+BLOCK, KV_HEADS, DIM, GROUP = 16, 3, 64, 3  # the default model's attention shape
+
+
+def timed(fn, reps=10) -> float:
+    for _ in range(2):
+        fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps * 1e3
+
+
+def decode() -> None:
+    num_blocks = 20000
+    k_cache, v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM), torch.randn(num_blocks, BLOCK, KV_HEADS, DIM)
+    for batch, lo, hi in [(256, 80, 200), (100, 50, 650), (64, 200, 260), (32, 1000, 2000)]:
+        rng = random.Random(0)
+        lens = [rng.randint(lo, hi) for _ in range(batch)]
+        width = -(-max(lens) // BLOCK)
+        table = torch.randperm(num_blocks)[: batch * width].view(batch, width).int()
+        q, seq_lens = torch.randn(batch, KV_HEADS * GROUP, DIM), torch.tensor(lens).int()
+
+        def whole():
+            return ref.paged_decode(q, k_cache, v_cache, table, seq_lens, max(lens), DIM ** -0.5)
+
+        def grouped(tokens):
+            out = torch.empty_like(q)
+            for group in ref.decode_groups(lens, tokens):
+                rows = torch.tensor(group)
+                out[rows] = ref.paged_decode(q[rows], k_cache, v_cache, table[rows], seq_lens[rows],
+                                             lens[group[-1]], DIM ** -0.5)
+            return out
+
+        assert torch.allclose(whole(), grouped(4096), atol=1e-5)
+        print(f"decode batch {batch}, contexts {lo}-{hi}: whole batch {timed(whole):.2f} ms; groups of "
+              + ", ".join(f"{n}: {timed(lambda: grouped(n)):.2f} ms" for n in (1024, 2048, 4096, 8192)))
+
+
+def prefill() -> None:
+    torch.set_num_threads(1)
+    context, new = 360, 110
+    q = torch.randn(new, KV_HEADS * GROUP, DIM)
+    k, v = torch.randn(context, KV_HEADS, DIM), torch.randn(context, KV_HEADS, DIM)
+    allowed = torch.arange(context)[None, :] <= torch.arange(new)[:, None] + (context - new)
+
+    def sdpa_masked():
+        kr, vr = k.repeat_interleave(GROUP, 1).transpose(0, 1), v.repeat_interleave(GROUP, 1).transpose(0, 1)
+        return F.scaled_dot_product_attention(q.transpose(0, 1), kr, vr, attn_mask=allowed).transpose(0, 1)
+
+    def batched_matmuls():  # what reference.paged_prefill does after a cached prefix
+        qg = q.view(new, KV_HEADS, GROUP, DIM).permute(1, 2, 0, 3).reshape(KV_HEADS, GROUP * new, DIM)
+        scores = torch.bmm(qg, k.permute(1, 2, 0)).mul_(DIM ** -0.5).view(KV_HEADS, GROUP, new, context)
+        probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), -1).view(KV_HEADS, GROUP * new, context)
+        out = torch.bmm(probs, v.transpose(0, 1)).view(KV_HEADS, GROUP, new, DIM)
+        return out.permute(2, 0, 1, 3).reshape(new, KV_HEADS * GROUP, DIM)
+
+    assert torch.allclose(sdpa_masked(), batched_matmuls(), atol=1e-5)
+    print(f"prefill {new} new tokens over {context} (1 thread): SDPA masked {timed(sdpa_masked, 50):.2f} ms, "
+          f"batched matmuls {timed(batched_matmuls, 50):.2f} ms")
+    torch.set_num_threads(2)
+
+
+def mlp() -> None:
+    gate_up, down = torch.randn(3072, 576), torch.randn(576, 1536)
+    for tokens in (4096, 2048):
+        x = torch.randn(tokens, 576)
+
+        def run():
+            gate, up = (x @ gate_up.t()).split(1536, -1)
+            return (F.silu(gate) * up) @ down.t()
+        ms = timed(run)
+        print(f"mlp {tokens} tokens: {ms:.1f} ms, {tokens * 2 * 576 * 3072 * 1.5 / ms / 1e6:.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["decode", "prefill", "mlp"]:
+        {"decode": decode, "prefill": prefill, "mlp": mlp}[name]()
