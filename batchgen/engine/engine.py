@@ -12,7 +12,7 @@ import torch
 from ..model_loader import eos_token_ids, load_model, load_tokenizer, resolve_model
 from .detokenizer import IncrementalDetokenizer, detokenize
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
-from .engine_args import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs, parse_bytes
+from .engine_args import EngineArgs, parse_bytes
 from .gpu_memory import kv_cache_budget
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
@@ -82,14 +82,13 @@ class Engine:
     def _num_kv_blocks(self) -> int:
         m, args = self.model, self.args
         bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
-        if args.kv_cache_memory is not None:
-            budget, source = parse_bytes(args.kv_cache_memory), repr(args.kv_cache_memory)
-        elif self.device.type == "cuda":  # what is free after the weights and a profiling step, times the utilisation
+        if args.kv_cache_memory is None and self.device.type == "cuda":
+            # what is free after the weights and a profiling step, times the utilisation
             budget = kv_cache_budget(m, args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
                                      args.gpu_memory_utilization)
             source = f"from gpu_memory_utilization {args.gpu_memory_utilization} ({max(budget, 0)} bytes)"
         else:
-            budget, source = parse_bytes(DEFAULT_CPU_KV_CACHE_MEMORY), repr(DEFAULT_CPU_KV_CACHE_MEMORY)
+            budget, source = parse_bytes(args.cpu_kv_cache_memory()), repr(args.cpu_kv_cache_memory())
         num_blocks = budget // (bytes_per_token * args.block_size)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory {source} holds fewer than 2 blocks of "
