@@ -1,5 +1,5 @@
 """One-layer microbenchmarks behind docs/performance.md's predictions (random data, this machine's CPU):
-  decode:  one gather of the whole batch vs length-sorted groups of ~N gathered tokens (reference.decode_groups)
+  decode:  one gather of the whole batch vs length-sorted groups of ~N gathered tokens (metadata.group_decodes)
   prefill: SDPA's masked path vs two batched matmuls per KV head, for new tokens after a cached prefix
   mlp:     SwiGLU MLP of the default model at a 4,096- vs 2,048-token step
 Usage: python scripts/microbench_attention.py [decode|prefill|mlp ...]"""
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import batchgen_kernels.reference as ref
+from batchgen_kernels.metadata import group_decodes
 
 BLOCK, KV_HEADS, DIM, GROUP = 16, 3, 64, 3  # the default model's attention shape
 
@@ -41,7 +42,7 @@ def decode() -> None:
 
         def grouped(tokens):
             out = torch.empty_like(q)
-            for group in ref.decode_groups(lens, tokens):
+            for group in group_decodes(lens, tokens):
                 rows = torch.tensor(group)
                 out[rows] = ref.paged_decode(q[rows], k_cache, v_cache, table[rows], seq_lens[rows],
                                              lens[group[-1]], DIM ** -0.5)

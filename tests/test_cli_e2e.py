@@ -200,7 +200,7 @@ def test_changed_job_is_refused(finished):
 def test_overwrite_with_another_sort_gives_the_same_rows(finished):
     root, job, table, _ = finished
     first = output_of(root / "out")
-    proc = run_cli(job, "--overwrite", "--quiet", "--set", "engine.sort=none", cwd=root)
+    proc = run_cli(job, "--overwrite", "--quiet", "--set", "input.sort=none", cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == ""  # --quiet
     second = output_of(root / "out")
@@ -267,6 +267,18 @@ def test_job_file_problems_exit_2(small_input):
                                                                         "engine.max_num_seqs")
     assert "engine.max_num_seqs: expected an integer" in job_error(small_input, job, "--set",
                                                                    "engine.max_num_seqs=many")
+
+
+def test_engine_sort_is_deprecated_and_may_not_contradict_input_sort(small_input):
+    job = base_job(small_input / "in.parquet", small_input / "out", engine={"sort": "none"}, input={"sort": "length"})
+    assert "engine.sort: 'none' conflicts with input.sort: 'length'" in job_error(small_input, job)
+    job = write_job(small_input / "job.yaml", base_job(small_input / "nowhere.parquet", small_input / "out"))
+    proc = run_cli(job, "--set", "engine.sort=length", cwd=small_input)  # fails later, before the model loads
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "batchgen: engine.sort is deprecated: write input.sort: length instead",
+        f"batchgen: error: input.path: no such file or directory: {small_input / 'nowhere.parquet'}",
+    ]
 
 
 def test_unusable_output_paths_exit_2(small_input):

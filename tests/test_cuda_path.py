@@ -13,33 +13,29 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated: before the first import
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # without a GPU, conftest has set TRITON_INTERPRET=1
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from batchgen.bench import gpu  # noqa: E402
+from batchgen.bench.gpu import check as gpu  # noqa: E402
+from batchgen.bench.gpu.shapes import MODEL_CONFIGS, ModelShape, decode_floor, decode_step_cost  # noqa: E402
+from batchgen.bench.greedy_check import assert_greedy_matches, greedy_verdict, hf_greedy, is_near_tie  # noqa: E402
+from batchgen.bench.workloads import random_token_rows  # noqa: E402
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams  # noqa: E402
 from batchgen.engine.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size  # noqa: E402
 from batchgen.engine.gpu_memory import run_dummy_step  # noqa: E402
 from batchgen.engine.sequence import Sequence  # noqa: E402
-from batchgen_kernels import triton_backend  # noqa: E402
-from greedy_check import assert_greedy_matches, hf_greedy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def make_engine(model_dir, device="cpu", triton=True, **kwargs):
+    # On the CPU the engine would pick the torch reference; padding rows need the Triton kernels.
     args = dict(model=str(model_dir), device=device, kv_cache_memory="2MiB", max_num_seqs=8,
-                max_num_batched_tokens=256)
+                max_num_batched_tokens=256, attention_backend="triton" if triton else "auto")
     args.update(kwargs)
-    engine = Engine(EngineArgs(**args))
-    if triton:  # on the CPU the engine picks the torch reference; padding rows need the Triton kernels
-        for layer in engine.model.model.layers:
-            layer.self_attn.attn.backend = triton_backend
-    return engine
+    return Engine(EngineArgs(**args))
 
 
 def greedy(n):
@@ -81,7 +77,7 @@ class DecodeSteps:
             self.seqs.insert(0, seq)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        assert self.engine.kv_cache.allocate_slots(seq, num_tokens)
+        assert self.engine.kv_cache_manager.allocate_slots(seq, num_tokens)
 
     def advance(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -91,7 +87,7 @@ class DecodeSteps:
 
     def preempt_and_readmit(self, seq: Sequence) -> None:
         """What the scheduler does on preemption, then a readmission into different blocks."""
-        self.engine.kv_cache.free(seq)
+        self.engine.kv_cache_manager.free(seq)
         seq.num_preemptions += 1
         computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0
@@ -191,53 +187,56 @@ def meta_parameter_count(config_kwargs) -> int:
 
 @pytest.mark.parametrize("key, params", [("1b", 1_235_814_400), ("8b", 8_030_261_248)])
 def test_model_shapes_count_the_parameters_of_the_real_models(key, params):
-    shape = gpu.ModelShape.from_config(gpu.MODEL_CONFIGS[key])
-    assert shape.num_params == params == meta_parameter_count(gpu.MODEL_CONFIGS[key])
+    shape = ModelShape.from_config(MODEL_CONFIGS[key])
+    assert shape.num_params == params == meta_parameter_count(MODEL_CONFIGS[key])
 
 
 def test_decode_step_cost_and_floor():
-    shape = gpu.ModelShape.from_config(gpu.MODEL_CONFIGS["8b"])
+    shape = ModelShape.from_config(MODEL_CONFIGS["8b"])
     assert shape.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2
-    one = gpu.decode_step_cost(shape, batch_size=1, total_context=1000)
+    one = decode_step_cost(shape, batch_size=1, total_context=1000)
     # Every weight once (the untied embedding: one row), 1000 tokens of K and V.
     assert one["weight_bytes"] == 2 * (8_030_261_248 - 128256 * 4096 + 4096)
     assert one["kv_bytes"] == 1000 * 131072
     assert one["matmul_flops"] == 2 * (8_030_261_248 - 128256 * 4096 - 65 * 4096)
     assert one["attention_flops"] == 4 * 32 * 32 * 128 * 1000
-    floor = gpu.decode_floor(one, copy_bandwidth=4e12, matmul_rate=7e14)
+    floor = decode_floor(one, copy_bandwidth=4e12, matmul_rate=7e14)
     assert floor["bound"] == "memory" and floor["floor_s"] == pytest.approx(one["bytes"] / 4e12)
     assert floor["floor_s"] == pytest.approx(3.785e-3, rel=1e-3)  # 15.0 GB of weights, 0.13 GB of KV
-    big = gpu.decode_step_cost(shape, batch_size=8192, total_context=8192)
-    assert gpu.decode_floor(big, 4e12, 7e14)["bound"] == "compute"
+    big = decode_step_cost(shape, batch_size=8192, total_context=8192)
+    assert decode_floor(big, 4e12, 7e14)["bound"] == "compute"
     # The batch's KV scales with its total context; weights are read once whatever the batch.
-    wide = gpu.decode_step_cost(shape, batch_size=256, total_context=256 * 1000)
+    wide = decode_step_cost(shape, batch_size=256, total_context=256 * 1000)
     assert wide["kv_bytes"] == 256 * one["kv_bytes"] and wide["weight_bytes"] - one["weight_bytes"] == 255 * 4096 * 2
-    tied = gpu.ModelShape.from_config(gpu.MODEL_CONFIGS["1b"])
-    assert gpu.decode_step_cost(tied, 256, 1)["weight_bytes"] == gpu.decode_step_cost(tied, 1, 1)["weight_bytes"]
+    tied = ModelShape.from_config(MODEL_CONFIGS["1b"])
+    assert decode_step_cost(tied, 256, 1)["weight_bytes"] == decode_step_cost(tied, 1, 1)["weight_bytes"]
 
 
 def test_synthetic_workload():
-    workload = gpu.synthetic_workload(300, (100, 1000), (100, 500), 128256, seed=3)
+    def synthetic_workload(*args, seed):
+        return [(row.token_ids, row.max_tokens) for row in random_token_rows(*args, seed=seed)]
+
+    workload = synthetic_workload(300, (100, 1000), (100, 500), 128256, seed=3)
     assert len(workload) == 300
     assert all(100 <= len(p) <= 1000 and 100 <= m <= 500 and all(0 <= t < 128256 for t in p) for p, m in workload)
     assert min(len(p) for p, _ in workload) < 200 and max(len(p) for p, _ in workload) > 900
-    assert workload == gpu.synthetic_workload(300, (100, 1000), (100, 500), 128256, seed=3)
-    assert workload != gpu.synthetic_workload(300, (100, 1000), (100, 500), 128256, seed=4)
+    assert workload == synthetic_workload(300, (100, 1000), (100, 500), 128256, seed=3)
+    assert workload != synthetic_workload(300, (100, 1000), (100, 500), 128256, seed=4)
 
 
 def test_greedy_verdict_and_the_bf16_near_tie_rule():
-    assert gpu.is_near_tie(5.0, 4.95, rel_tol=2**-6, abs_tol=1e-3)  # within 0.079
-    assert not gpu.is_near_tie(5.0, 4.85, rel_tol=2**-6, abs_tol=1e-3)
-    assert not gpu.is_near_tie(5.0, 4.995, rel_tol=0.0, abs_tol=1e-3)  # fp32: the absolute 1e-3 alone
+    assert is_near_tie(5.0, 4.95, rel_tol=2**-6, abs_tol=1e-3)  # within 0.079
+    assert not is_near_tie(5.0, 4.85, rel_tol=2**-6, abs_tol=1e-3)
+    assert not is_near_tie(5.0, 4.995, rel_tol=0.0, abs_tol=1e-3)  # fp32: the absolute 1e-3 alone
     references = [[1, 2, 3], [4, 5, 6]]
     logits = [torch.zeros(3, 10) for _ in references]
     logits[1][1, 5], logits[1][1, 9] = 3.0, 2.99  # prompt 1, step 1: tokens 5 and 9 nearly tie
-    ok = gpu.greedy_verdict(references, logits, [[1, 2, 3], [4, 9, 0]], 2**-6, 1e-3, max_divergences=1)
+    ok = greedy_verdict(references, logits, [[1, 2, 3], [4, 9, 0]], 2**-6, 1e-3, max_divergences=1)
     assert ok["ok"] and ok["identical"] == 1 and ok["divergences"][0]["step"] == 1
-    assert not gpu.greedy_verdict(references, logits, [[1, 2, 3], [4, 9, 0]], 0.0, 1e-3, 1)["ok"]
+    assert not greedy_verdict(references, logits, [[1, 2, 3], [4, 9, 0]], 0.0, 1e-3, 1)["ok"]
     logits[1][1, 9] = 1.0  # no longer a tie
-    assert not gpu.greedy_verdict(references, logits, [[1, 2, 3], [4, 9, 0]], 2**-6, 1e-3, 1)["ok"]
-    assert not gpu.greedy_verdict(references, logits, [[1, 2], [4, 5, 6]], 2**-6, 1e-3, 1)["ok"]  # stopped early
+    assert not greedy_verdict(references, logits, [[1, 2, 3], [4, 9, 0]], 2**-6, 1e-3, 1)["ok"]
+    assert not greedy_verdict(references, logits, [[1, 2], [4, 5, 6]], 2**-6, 1e-3, 1)["ok"]  # stopped early
 
 
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
@@ -259,11 +258,11 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
 
 
 def test_gpu_check_imports_nothing_the_gpu_box_lacks():
-    """Run as a file with the packages the GPU box has not got made unimportable: --help still works."""
+    """Run as on the GPU box, with the packages it has not got made unimportable: --help still works."""
     blocked = ["psutil", "click", "pyarrow", "polars", "matplotlib", "gguf", "pytest"]
     # A None entry in sys.modules makes `import name` fail and importlib.util.find_spec(name) return None.
-    code = (f"import sys, runpy\nsys.modules.update(dict.fromkeys({blocked!r}))\nsys.argv = ['gpu.py', '--help']\n"
-            f"runpy.run_path('batchgen/bench/gpu.py', run_name='__main__')\n")
+    code = (f"import sys, runpy\nsys.modules.update(dict.fromkeys({blocked!r}))\n"
+            f"sys.argv = ['batchgen.bench', '--gpu', '--help']\nrunpy.run_module('batchgen.bench', run_name='__main__')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "kernels")])}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)

@@ -3,8 +3,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from batchgen.bench.greedy_check import assert_greedy_matches, hf_greedy
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
-from greedy_check import assert_greedy_matches, hf_greedy
 
 MAX_TOKENS = 40
 CONVERSATIONS = [

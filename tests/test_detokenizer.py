@@ -46,7 +46,7 @@ def encode(tokenizer, text):
 
 def feed(tokenizer, ids, skip_special_tokens, stop=(), chunk=1, min_tokens=0):
     """Append ids `chunk` at a time; return the detokenizer and the index of the chunk that matched, if any."""
-    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], skip_special_tokens, list(stop), min_tokens=min_tokens)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, list(stop), min_tokens=min_tokens)
     matched_at = None
     for start in range(0, len(ids), chunk):
         found = detok.append(ids[start:start + chunk])
@@ -123,7 +123,7 @@ def test_stop_string_spanning_tokens_is_found_at_the_token_that_completes_it(tok
     ids = encode(tokenizer, "Hello world, this is a test.")
     pieces = tokens_of(tokenizer, ids)
     assert pieces[:2] == ["Hello", " world"]
-    detok = IncrementalDetokenizer(tokenizer, [], True, ["lo wor"])
+    detok = IncrementalDetokenizer(tokenizer, True, ["lo wor"])
     assert detok.append(ids[:1]) is None
     assert detok.append(ids[1:2]) == "lo wor"
     assert detok.text == "Hel" and detok.stop_string == "lo wor"

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from batchgen.bench.greedy_check import assert_greedy_matches, hf_greedy
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
-from greedy_check import assert_greedy_matches, hf_greedy
 
 MAX_TOKENS = 24
 
@@ -34,7 +34,7 @@ def run(engine, prompts, params=None):
 
 
 def assert_no_leak(engine):
-    pool = engine.kv_cache.pool
+    pool = engine.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_count == 0 for block in pool.blocks)
     assert not engine.scheduler.running and not engine.scheduler.waiting
@@ -189,3 +189,68 @@ def test_model_forward_has_no_per_sequence_python_loop(tiny_llama_dir):
     finally:
         del model.forward
     assert len(per_forward) >= 6 and len(set(per_forward)) == 1, per_forward
+
+
+# --- the public request API: add_request, step, abort, has_unfinished ----------------------------------------------
+
+def test_add_request_and_step_give_what_generate_gives(tiny_llama_dir):
+    prompts = random_prompts(21, 6, 256)
+    expected = [r.token_ids for r in run(make_engine(tiny_llama_dir), prompts)]
+    engine = make_engine(tiny_llama_dir)
+    assert engine.step() == [] and not engine.has_unfinished()  # idle: a step does nothing
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(i, p, greedy()))
+    engine.add_request(Request("bad", [], greedy()))
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.add_request(Request(0, prompts[0], greedy()))
+    first = engine.step()
+    assert [r.request_id for r in first] == ["bad"] and first[0].finish_reason == "error"  # rejected: at once
+    assert engine.last_step.num_seqs == 6 and engine.last_step.num_prefill_tokens == sum(map(len, prompts))
+    results = {}
+    while engine.has_unfinished():
+        results.update((r.request_id, r) for r in engine.step())
+    assert engine.last_step.num_decodes == engine.last_step.num_seqs and engine.last_step.num_prefill_tokens == 0
+    assert [results[i].token_ids for i in range(6)] == expected
+    assert_no_leak(engine)
+
+
+def test_abort_gives_back_blocks_and_yields_nothing(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, max_num_seqs=2)
+    prompts = random_prompts(22, 4, 256)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(i, p, greedy(50)))
+    for _ in range(3):
+        assert engine.step() == []
+    assert engine.abort(0) and engine.abort(3)  # one running, one still waiting
+    assert not engine.abort(0) and not engine.abort("unknown")
+    results = []
+    while engine.has_unfinished():
+        results += engine.step()
+    assert sorted(r.request_id for r in results) == [1, 2]
+    assert [r.output_tokens for r in results] == [50, 50]
+    assert_no_leak(engine)
+    engine.add_request(Request(0, prompts[0], greedy(4)))  # an aborted id may be used again
+    assert [r.output_tokens for r in engine.step() + engine.step() + engine.step() + engine.step()] == [4]
+
+
+def test_penalties_match_transformers_and_survive_preemption(tiny_llama_dir):
+    """The sampler's penalty state is kept up to date token by token: greedy output with a repetition penalty equals
+    transformers' own, and a forced preemption (the pool is tiny) changes nothing."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    prompts = [p[:12] for p in random_prompts(23, 4, 64)]  # a small vocabulary: repeats are likely
+    params = SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.8, ignore_eos=True)
+    references = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, repetition_penalty=1.8,
+                          eos_token_id=None, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        references.append(out[0, len(p):].tolist())
+    roomy = run(make_engine(tiny_llama_dir), prompts, params)
+    assert [r.token_ids for r in roomy] == references
+    tight = make_engine(tiny_llama_dir, kv_cache_memory="48KiB", block_size=16, max_num_batched_tokens=64)
+    tight_results = run(tight, prompts, params)
+    assert sum(r.num_preemptions for r in tight_results) > 0
+    assert [r.token_ids for r in tight_results] == references
+    mixed = SamplingParams(max_tokens=20, temperature=0.8, presence_penalty=1.0, frequency_penalty=0.5, seed=3,
+                           ignore_eos=True)
+    assert [r.token_ids for r in run(make_engine(tiny_llama_dir), prompts, mixed)] == \
+        [r.token_ids for r in run(tight, prompts, mixed)]

@@ -1,9 +1,19 @@
 """job.yaml parsing: defaults, types, overrides, cross-key rules; every error names its key."""
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import logging
+from pathlib import Path
 
-from batchgen.job.config import JobConfigError, apply_override, load_job, parse_job, template_columns
+import pytest
+import yaml
+
+from batchgen.engine import EngineArgs, SamplingParams
+from batchgen.engine.errors import SettingError
+from batchgen.job.config import (ENGINE_KEYS, JOB_SAMPLING_DEFAULTS, TOP_LEVEL_KEYS, JobConfigError, apply_override,
+                                 load_job, parse_job, template_columns)
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 MINIMAL = "input:\n  path: data/in.parquet\noutput:\n  path: out/x\n"
 
@@ -39,7 +49,7 @@ def test_defaults_follow_the_issue_contract(tmp_path):
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.stop) == (256, 0.0, 1.0, 0, 0.0, None, ())
     e = config.engine
     assert (e.max_num_seqs, e.max_num_batched_tokens, e.block_size, e.kv_cache_memory, e.enable_prefix_caching,
-            e.sort) == (256, 4096, 16, None, True, "prefix")
+            config.input.sort) == (256, 4096, 16, None, True, "prefix")
     assert (config.output.keep_columns, config.output.order) == ((), "input")
 
 
@@ -206,3 +216,111 @@ def test_sampling_params_carry_the_job_values():
     config = job(sampling={"max_tokens": 5, "stop": "###", "seed": 3})
     params = config.sampling.params(temperature=0.5)
     assert (params.max_tokens, params.stop, params.seed, params.temperature) == (5, ["###"], 3, 0.5)
+
+
+# -- the engine and sampling sections follow EngineArgs and SamplingParams -------------------------------------------
+
+def test_engine_keys_are_engine_args_fields_with_their_defaults():
+    assert list(ENGINE_KEYS) == [f.name for f in dataclasses.fields(EngineArgs) if f.name not in TOP_LEVEL_KEYS] + \
+        ["sort"]  # the deprecated spelling of input.sort
+    assert job().engine == EngineArgs()
+    config = job(model="m.gguf", dtype="float32", device="cpu", engine={"max_num_seqs": 8})
+    assert config.engine == EngineArgs(model="m.gguf", dtype="float32", device="cpu", max_num_seqs=8)
+    assert (config.model, config.dtype, config.device) == ("m.gguf", "float32", "cpu")
+    assert set(config.to_dict()["engine"]) == set(ENGINE_KEYS) - {"sort"}
+
+
+def test_sampling_keys_are_sampling_params_fields_with_the_job_defaults():
+    sampling = job().sampling
+    assert [f.name for f in dataclasses.fields(sampling)] == [f.name for f in dataclasses.fields(SamplingParams)]
+    assert sampling.params() == SamplingParams(**JOB_SAMPLING_DEFAULTS)
+    assert JOB_SAMPLING_DEFAULTS == {"max_tokens": 256, "temperature": 0.0}
+
+
+def test_keys_that_came_with_the_derivation():
+    config = job(sampling={"skip_special_tokens": False}, engine={"attention_backend": "torch"})
+    assert config.sampling.params().skip_special_tokens is False and config.engine.attention_backend == "torch"
+    assert "engine.attention_backend: attention_backend must be one of auto, torch, triton; got 'cuda'" in \
+        error_of(engine={"attention_backend": "cuda"})
+    assert "sampling.skip_special_tokens: expected true or false" in error_of(sampling={"skip_special_tokens": 1})
+
+
+def test_engine_seed_is_settable():
+    config = job(engine={"seed": 7})
+    assert config.engine.seed == 7 and config.to_dict()["engine"]["seed"] == 7
+    assert job().engine.seed == EngineArgs().seed
+    assert "engine.seed: seed must be a non-negative integer, got -1" in error_of(engine={"seed": -1})
+    assert "engine.seed: expected an integer, got 'x'" in error_of(engine={"seed": "x"})
+
+
+def raising(key: str, message: str):
+    def validate(self):
+        raise SettingError(key, message)
+    return validate
+
+
+def test_setting_errors_map_to_job_keys_by_their_key_not_their_text(monkeypatch):
+    monkeypatch.setattr(EngineArgs, "validate", raising("max_num_batched_tokens", "reworded: too few tokens"))
+    assert error_of() == "engine.max_num_batched_tokens: reworded: too few tokens"
+    monkeypatch.setattr(EngineArgs, "validate", raising("dtype", "fp8 is not supported here"))
+    assert error_of() == "dtype: fp8 is not supported here"  # model, dtype and device are top-level keys
+    monkeypatch.setattr(EngineArgs, "validate", raising("device", "device: no such device"))
+    assert error_of() == "device: no such device"  # not "device: device: ..."
+    monkeypatch.undo()
+    monkeypatch.setattr(SamplingParams, "validate", raising("top_k", "top-k wording changed"))
+    assert error_of() == "sampling.top_k: top-k wording changed"
+
+
+def test_setting_errors_from_the_engine_at_load_are_job_errors(monkeypatch):
+    import batchgen.engine
+    from batchgen.job.runner import PreparedJob, load_engine
+
+    config = job()
+    prepared = PreparedJob(config, None, {}, None)
+
+    def engine_raising(exc):
+        def construct(args):
+            raise exc
+        return construct
+
+    monkeypatch.setattr(batchgen.engine, "Engine", engine_raising(SettingError("kv_cache_memory", "pool too small")),
+                        raising=False)
+    with pytest.raises(JobConfigError, match=r"^engine\.kv_cache_memory: pool too small$"):
+        load_engine(prepared)
+    monkeypatch.setattr(batchgen.engine, "Engine", engine_raising(ValueError("kv_cache_memory: odd")), raising=False)
+    with pytest.raises(ValueError) as info:  # a plain ValueError is a runtime failure, not a job error
+        load_engine(prepared)
+    assert not isinstance(info.value, JobConfigError)
+
+
+# -- input.sort and the deprecated engine.sort ------------------------------------------------------------------------
+
+def test_input_sort():
+    assert job().input.sort == "prefix"
+    assert job(input={"sort": "length"}).input.sort == "length"
+    assert "input.sort: expected one of prefix | length | none, got 'random'" in error_of(input={"sort": "random"})
+
+
+def test_engine_sort_still_works_with_a_deprecation_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="batchgen.job.config"):
+        config = job(engine={"sort": "none"})
+    assert config.input.sort == "none" and "sort" not in config.to_dict()["engine"]
+    assert [r.getMessage() for r in caplog.records] == ["engine.sort is deprecated: write input.sort: none instead"]
+    caplog.clear()
+    assert job(engine={"sort": "length"}, input={"sort": "length"}).input.sort == "length"  # the same: fine
+    assert len(caplog.records) == 1
+    assert "engine.sort: 'none' conflicts with input.sort: 'length'" in \
+        error_of(engine={"sort": "none"}, input={"sort": "length"})
+
+
+# -- the README's job file reference ----------------------------------------------------------------------------------
+
+def test_readme_job_file_shows_every_key_with_its_default():
+    block = README.read_text().split("## The job file", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    raw = yaml.safe_load(block)
+    shown, defaults = parse_job(raw).to_dict(), job().to_dict()
+    sections = ("input", "output", "sampling", "engine")
+    assert set(raw) == set(defaults)
+    assert {s: set(raw[s]) for s in sections} == {s: set(defaults[s]) for s in sections}
+    differing = {f"{s}.{key}" for s in sections for key in defaults[s] if shown[s][key] != defaults[s][key]}
+    assert differing == {"input.path", "input.id_column", "output.path"}  # the example's own values

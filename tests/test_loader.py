@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from batchgen import model_loader
-from batchgen.model_loader import (ModelError, ModelNotFoundError, ModelWeightsError, cache_root, eos_token_ids,
+from batchgen.models import loader as model_loader
+from batchgen.models.loader import (ModelError, ModelNotFoundError, ModelWeightsError, cache_root, eos_token_ids,
                                    load_model, load_tokenizer, resolve_model)
 
 

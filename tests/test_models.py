@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from batchgen.model_loader import load_model, load_tokenizer
+from batchgen.models.loader import load_model, load_tokenizer
 from batchgen.models import LlamaForCausalLM, UnsupportedModelError, build_model
 from batchgen_kernels import AttentionMetadata
 
@@ -50,13 +50,8 @@ class PagedSequences:
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         assert all(n != 1 for n in query_lens[num_decodes:]), "decodes must come first"
         width = max(len(t) for t in tables)
-        md = AttentionMetadata(
-            query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        md = AttentionMetadata.build(query_lens, seq_lens, block_tables, torch.tensor(slots, dtype=torch.int64), "cpu")
         with torch.no_grad():
             hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), md)
             return self.model.compute_logits(hidden)

@@ -121,7 +121,9 @@ def test_kill_9_then_rerun_finishes_every_row_once(tmp_path):
 
 def fake_result(row: int) -> Result:
     t = 1_700_000_000.0 + row
-    return Result(row, f"committed {row}", [1, 2], "length", None, 5, 2, 0, 0, t, t, t + 0.1, t + 0.2)
+    return Result(request_id=row, text=f"committed {row}", token_ids=[1, 2], finish_reason="length", error=None,
+                  prompt_tokens=5, output_tokens=2, cached_tokens=0, num_preemptions=0, arrival_time=t,
+                  first_scheduled_time=t, first_token_time=t + 0.1, finish_time=t + 0.2)
 
 
 def commit_all_rows(job_path: Path, rows: int, *, order=None) -> None:

@@ -8,7 +8,8 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from batchgen.engine.request import SamplingParams
-from batchgen.engine.sampler import Sampler, SamplingBatch, apply_penalties, hash_uniforms
+from batchgen.engine.sampler import (PenaltyState, Sampler, SamplingBatch, apply_penalties, has_penalty,
+                                     hash_uniforms)
 
 V = 64
 EOS = [2]
@@ -19,7 +20,9 @@ def build(params, seeds=None, prompts=None, outputs=None, vocab_size=V):
     seeds = seeds if seeds is not None else list(range(n))
     prompts = prompts if prompts is not None else [[5, 6, 7]] * n
     outputs = outputs if outputs is not None else [[]] * n
-    return SamplingBatch.build(params, seeds, prompts, outputs, EOS, vocab_size, "cpu")
+    states = [PenaltyState.from_tokens(prompt, output, vocab_size, "cpu") if has_penalty(p) else None
+              for p, prompt, output in zip(params, prompts, outputs)]
+    return SamplingBatch.build(params, seeds, [len(output) for output in outputs], states, EOS, vocab_size, "cpu")
 
 
 def sample(logits, params, **kwargs):
@@ -191,9 +194,9 @@ def test_cuda_draws_the_same_bits_as_cpu_and_stays_batch_independent():
     params = [other_params(rng) for _ in range(64)]
     target = SamplingParams(temperature=0.9, top_p=0.9, top_k=100)
     params[17] = target
-    full = Sampler()(logits, SamplingBatch.build(params, list(range(64)), [[1, 2]] * 64, [[3]] * 64, EOS, 49152,
-                                                 "cuda"))
-    alone = Sampler()(logits[17:18], SamplingBatch.build([target], [17], [[1, 2]], [[3]], EOS, 49152, "cuda"))
+    states = [PenaltyState.from_tokens([1, 2], [3], 49152, "cuda") if has_penalty(p) else None for p in params]
+    full = Sampler()(logits, SamplingBatch.build(params, list(range(64)), [1] * 64, states, EOS, 49152, "cuda"))
+    alone = Sampler()(logits[17:18], SamplingBatch.build([target], [17], [1], [None], EOS, 49152, "cuda"))
     assert full[17].item() == alone[0].item()
 
 

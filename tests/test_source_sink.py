@@ -14,14 +14,15 @@ import pytest
 
 from batchgen.engine.request import Result
 from batchgen.job import sink as sink_module
-from batchgen.job.config import OUTPUT_COLUMNS, ROW_COLUMN, JobConfigError, parse_job
-from batchgen.job.sink import (OutputDir, PartWriter, RowTotals, apply_plan, finalize, output_schema)
+from batchgen.job.config import JobConfigError, parse_job
+from batchgen.job.schema import OUTPUT_COLUMNS, ROW_COLUMN, output_schema
+from batchgen.job.sink import OutputDir, PartWriter, RowTotals, apply_plan, finalize
 from batchgen.job.source import (SourceRow, find_input_files, inspect_input, read_source, sort_windows)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from batchgen.model_loader import load_tokenizer
+    from batchgen.models.loader import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 
@@ -244,9 +245,10 @@ def test_prefix_sort_groups_shared_prefixes(tmp_path, tokenizer):
 
 def result(i, finish="stop", prompt=4, output=3, cached=0, t0=1_700_000_000.0):
     if finish == "error":
-        return Result(i, "", [], "error", "boom", prompt, 0, 0, 0, t0, None, None, t0)
-    return Result(i, f"text {i}", [1] * output, finish, None, prompt, output, cached, 1,
-                  t0, t0 + 0.25, t0 + 0.5, t0 + 1.5)
+        return Result.for_error(i, "boom", prompt, t0)
+    return Result(request_id=i, text=f"text {i}", token_ids=[1] * output, finish_reason=finish, error=None,
+                  prompt_tokens=prompt, output_tokens=output, cached_tokens=cached, num_preemptions=1,
+                  arrival_time=t0, first_scheduled_time=t0 + 0.25, first_token_time=t0 + 0.5, finish_time=t0 + 1.5)
 
 
 SCHEMA = output_schema(pa.string(), [("tag", pa.int32())])

@@ -40,14 +40,15 @@ SCRIPT = textwrap.dedent('''
     def instant(requests):  # stands in for the engine: every request finishes at once
         for r in requests:
             now = time.time()
-            yield Result(r.request_id, "ok", [1], "length", None, len(r.prompt_token_ids), 1, 0, 0,
-                         now, now, now, now)
+            yield Result(request_id=r.request_id, text="ok", token_ids=[1], finish_reason="length", error=None,
+                         prompt_tokens=len(r.prompt_token_ids), output_tokens=1, cached_tokens=0, num_preemptions=0,
+                         arrival_time=now, first_scheduled_time=now, first_token_time=now, finish_time=now)
 
-    config = parse_job({"input": {"path": str(root / "in.parquet"), "chat_template": False, "sort_window": 10_000},
-                        "output": {"path": str(root / "out"), "keep_columns": ["tag"], "rows_per_part": 50_000},
-                        "engine": {"sort": "prefix"}})
+    config = parse_job({"input": {"path": str(root / "in.parquet"), "chat_template": False, "sort_window": 10_000,
+                                  "sort": "prefix"},
+                        "output": {"path": str(root / "out"), "keep_columns": ["tag"], "rows_per_part": 50_000}})
     inputs = inspect_input(config)
-    job = PreparedJob(config, inputs, None, job_fingerprint(config, "stand-in", inputs), OutputDir(root / "out"))
+    job = PreparedJob(config, inputs, job_fingerprint(config, "stand-in", inputs), OutputDir(root / "out"))
     job.out.path.mkdir()
     job.out.prepare_tmp()
     process = psutil.Process()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from .systems import BenchOptions, RowOutput, SystemRun, elapsed
+from .system_types import BenchOptions, RowOutput, SystemRun, elapsed
 
 
 def run(rows: list, options: BenchOptions, prefix_caching: bool) -> SystemRun:
@@ -21,9 +21,10 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool) -> SystemRun:
     requests = [Request(row.id, row.token_ids, SamplingParams(max_tokens=row.max_tokens, temperature=0.0))
                 for row in ordered]
     started = time.monotonic()
-    start_wall = engine.clock.wall(started)  # Result times are wall-clock through the engine's own anchor
     results = list(engine.generate(requests))
     wall_s = elapsed(started)
+    # Result times are wall-clock through the engine's own anchor: the run starts when the first request arrives.
+    start_wall = min((r.arrival_time for r in results), default=0.0)
 
     errors = [r for r in results if r.finish_reason == "error"]
     if errors:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import ceiling, report
-from .systems import SYSTEMS, BenchOptions, SystemRun, run_system
+from .system_types import BenchOptions, SystemRun
+from .systems import SYSTEMS, run_system
 from .workloads import Workload, job_workload, synthetic_workload
 
 
@@ -91,13 +92,12 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchR
 def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
     """The rows, and the engine settings for batchgen (the job's engine section when there is a job)."""
     from batchgen.engine import EngineArgs
-    from batchgen.model_loader import load_tokenizer, resolve_model
+    from batchgen.models.loader import load_tokenizer, resolve_model
 
     if config.job:
         from batchgen.job.config import load_job
-        from batchgen.job.runner import make_engine_args
 
-        engine_args = make_engine_args(load_job(config.job))
+        engine_args = load_job(config.job).engine
     else:
         engine_args = EngineArgs(model="default")
     overrides = {key: value for key, value in (("max_num_seqs", config.max_num_seqs),

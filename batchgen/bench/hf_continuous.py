@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import time
 
-from .systems import BenchOptions, RowOutput, SystemRun, elapsed
+from .system_types import BenchOptions, RowOutput, SystemRun, elapsed
 
 
 def run(rows: list, options: BenchOptions) -> SystemRun:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from batchgen.model_loader import eos_token_ids, load_tokenizer, resolve_model
+    from batchgen.models.loader import eos_token_ids, load_tokenizer, resolve_model
 
     started = time.monotonic()
     model_dir = resolve_model(options.engine_args.model)

@@ -1,12 +1,13 @@
 """transformers static batching, as people write it: rows sorted by prompt length, left-padded batches,
-`generate(do_sample=False)` up to the longest max_tokens of the batch. CPU, fp32.
+`generate(do_sample=False)` up to the longest max_tokens of the batch. In the bench: CPU, fp32.
 
-The whole workload runs once per batch size; the fastest run is reported, the others are kept in `details`."""
+The whole workload runs once per batch size; the fastest run is reported, the others are kept in `details`.
+`generate_all` is also the GPU check's baseline, on the device and in the dtype of the model it is given."""
 from __future__ import annotations
 
 import time
 
-from .systems import BenchOptions, RowOutput, SystemRun, elapsed
+from .system_types import BenchOptions, RowOutput, SystemRun, elapsed
 
 
 class StepClock:
@@ -24,7 +25,7 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from batchgen.model_loader import eos_token_ids, load_tokenizer, resolve_model
+    from batchgen.models.loader import eos_token_ids, load_tokenizer, resolve_model
 
     started = time.monotonic()
     model_dir = resolve_model(options.engine_args.model)
@@ -46,8 +47,12 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
     return SystemRun("hf-static", True, load_s=load_s, wall_s=wall_s, rows=outputs, details=details)
 
 
-def generate_all(model, rows: list, batch_size: int, eos: list[int], pad: int) -> tuple[float, list[RowOutput]]:
-    """Every row, in batches of `batch_size` by prompt length; (wall seconds, outputs)."""
+def generate_all(model, rows: list, batch_size: int, eos: list[int] | None, pad: int,
+                 time_limit_s: float | None = None) -> tuple[float, list[RowOutput]]:
+    """Rows (with .id, .token_ids, .max_tokens) in batches of `batch_size` by prompt length, on the model's device;
+    (wall seconds, outputs). eos None: rows stop where the model's generation config says (the GPU check's models
+    say nowhere: ignore_eos). With a time limit, no batch starts after it has passed: the outputs are those of the
+    batches that ran."""
     import torch
 
     ordered = sorted(rows, key=lambda row: len(row.token_ids))
@@ -57,10 +62,12 @@ def generate_all(model, rows: list, batch_size: int, eos: list[int], pad: int) -
         for first in range(0, len(ordered), batch_size):
             batch = ordered[first:first + batch_size]
             outputs += generate_batch(model, batch, eos, pad, started)
+            if time_limit_s is not None and elapsed(started) > time_limit_s:
+                break
     return elapsed(started), outputs
 
 
-def generate_batch(model, batch: list, eos: list[int], pad: int, run_started: float) -> list[RowOutput]:
+def generate_batch(model, batch: list, eos: list[int] | None, pad: int, run_started: float) -> list[RowOutput]:
     import torch
     from transformers import LogitsProcessorList
 
@@ -71,12 +78,14 @@ def generate_batch(model, batch: list, eos: list[int], pad: int, run_started: fl
         input_ids[i, width - len(row.token_ids):] = torch.tensor(row.token_ids)
         attention_mask[i, width - len(row.token_ids):] = 1
     clock = StepClock()
-    generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                               max_new_tokens=max(row.max_tokens for row in batch), eos_token_id=eos,
-                               pad_token_id=pad, logits_processor=LogitsProcessorList([clock]))
+    stop = {} if eos is None else {"eos_token_id": eos}
+    generated = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                               do_sample=False, max_new_tokens=max(row.max_tokens for row in batch), pad_token_id=pad,
+                               logits_processor=LogitsProcessorList([clock]), **stop)
+    new_tokens = generated[:, width:].tolist()
     outputs = []
-    for i, row in enumerate(batch):
-        kept = cut(generated[i, width:].tolist(), row.max_tokens, eos)
+    for row, tokens in zip(batch, new_tokens):
+        kept = cut(tokens, row.max_tokens, eos or [])
         outputs.append(RowOutput(row.id, kept, clock.times[0] - run_started,
                                  clock.times[len(kept) - 1] - run_started))
     return outputs

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .systems import SystemRun
+from .system_types import SystemRun
 from .workloads import Workload
 
 REFERENCES = ("batchgen", "batchgen-nocache")  # what the ratios are of: the first of these that ran

@@ -9,14 +9,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from .systems import BenchOptions, PeakRSS, RowOutput, SystemRun, elapsed
+from .peak_rss import PeakRSS
+from .system_types import BenchOptions, RowOutput, SystemRun, elapsed
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 def run(rows: list, options: BenchOptions) -> SystemRun:
     from batchgen.engine.engine_args import parse_bytes
-    from batchgen.model_loader import resolve_model
+    from batchgen.models.loader import resolve_model
 
     if not options.vllm_python:
         return SystemRun.unavailable("vllm", "no --vllm-python given (the Python of a virtualenv with vLLM)")

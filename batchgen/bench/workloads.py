@@ -18,7 +18,7 @@ class BenchRow:
     id: int
     token_ids: list[int]  # the full prompt, chat template included
     max_tokens: int
-    kind: str  # labeling | generation | job
+    kind: str  # labeling | generation | job | random
 
 
 @dataclass
@@ -225,6 +225,18 @@ def synthetic_workload(name: str, num_rows: int, seed: int, tokenizer: Any, mode
     if max_tokens_scale != 1.0:
         workload.notes.append(f"max_tokens scaled by {max_tokens_scale}")
     return workload
+
+
+def random_token_rows(num_rows: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], vocab_size: int,
+                      seed: int) -> list[BenchRow]:
+    """The GPU check's offline workload, which needs no tokenizer: prompt and max_tokens lengths uniform in the
+    inclusive ranges, token ids uniform over the vocabulary (no shared prefixes), the same for a given seed."""
+    rng = random.Random(seed)
+    rows = []
+    for row_id in range(num_rows):
+        prompt = [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))]
+        rows.append(BenchRow(row_id, prompt, rng.randint(*output_lens), "random"))
+    return rows
 
 
 def job_workload(job_path: str | Path, tokenizer: Any, num_rows: int | None = None,

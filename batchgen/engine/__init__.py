@@ -1,8 +1,9 @@
 """The engine: continuous batching over a paged KV cache with prefix caching."""
 from .engine_args import EngineArgs
+from .errors import SettingError
 from .request import Request, Result, SamplingParams
 
-__all__ = ["Engine", "EngineArgs", "Request", "Result", "SamplingParams"]
+__all__ = ["Engine", "EngineArgs", "Request", "Result", "SamplingParams", "SettingError"]
 
 
 def __getattr__(name: str):

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from batchgen_kernels import AttentionMetadata, get_backend, reference
@@ -43,19 +41,12 @@ def padded_batch_size(num_seqs: int, sizes: list[int]) -> int:
     return sizes[index]
 
 
-def padded_decode_supported(device: torch.device) -> bool:
+def padded_decode_supported(device: torch.device, attention_backend: str = "auto") -> bool:
     """Whether the attention backend on `device` skips negative slots (padding rows), which this path needs."""
-    return get_backend(device) is not reference
-
-
-@dataclass
-class _BlockIds:
-    """A sequence's block ids as an int32 array, extended as the sequence grows instead of rebuilt every step.
-    A running sequence's blocks only grow; a preemption clears them and counts itself in num_preemptions."""
-
-    num_preemptions: int
-    ids: np.ndarray
-    count: int = 0
+    try:
+        return get_backend(device, attention_backend) is not reference
+    except ImportError:
+        return False
 
 
 class DecodeGraphRunner:
@@ -91,12 +82,10 @@ class DecodeGraphRunner:
         self.input_ids, self.positions, self.slot_mapping = self._tokens[0], self._tokens[1], self._tokens[2]
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((rows, max_blocks), dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
 
         self._metadata: dict[int, AttentionMetadata] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None  # one memory pool shared by every graph: they never run at the same time
-        self._block_ids: dict[Sequence, _BlockIds] = {}
         self.steps_by_size: Counter[int] = Counter()  # how often each bucket ran
 
     @property
@@ -132,11 +121,9 @@ class DecodeGraphRunner:
         """The fixed metadata of a `size`-row batch, over views of the static buffers. The host-side lengths are
         upper bounds: the real ones are on the device only."""
         if size not in self._metadata:
-            self._metadata[size] = AttentionMetadata(
-                query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
-                block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
-                max_seq_len=self.max_model_len, num_decodes=size, query_lens_cpu=[1] * size,
-                seq_lens_cpu=[self.max_model_len] * size)
+            self._metadata[size] = AttentionMetadata.build(
+                [1] * size, [self.max_model_len] * size, self.block_tables[:size], self.slot_mapping[:size],
+                self.device, device_seq_lens=self.seq_lens[:size])
         return self._metadata[size]
 
     def _capture(self, size: int) -> None:
@@ -167,11 +154,10 @@ class DecodeGraphRunner:
         tokens, seq_lens = self._tokens_np, self._seq_lens_np
         width = max(seq.num_computed_tokens for seq, _ in batch) // bs + 1
         table = self._tables_np[: num * width].reshape(num, width)
-        previous, self._block_ids = self._block_ids, {}
         for row, (seq, _) in enumerate(batch):
             pos = seq.num_computed_tokens
             num_blocks = pos // bs + 1
-            ids = self._ids_of(seq, previous.get(seq))
+            ids = seq.block_ids.array
             tokens[0, row] = seq.token_ids[pos]
             tokens[1, row] = pos
             tokens[2, row] = int(ids[num_blocks - 1]) * bs + pos % bs
@@ -187,17 +173,3 @@ class DecodeGraphRunner:
         self.block_tables[:num, :width].copy_(self._host_tables[: num * width].view(num, width), non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-
-    def _ids_of(self, seq: Sequence, known: _BlockIds | None) -> np.ndarray:
-        blocks = seq.blocks
-        if known is None or known.num_preemptions != seq.num_preemptions or known.count > len(blocks):
-            known = _BlockIds(seq.num_preemptions, np.empty(max(16, len(blocks)), dtype=np.int32))
-        if known.count < len(blocks):
-            if len(blocks) > len(known.ids):
-                grown = np.empty(max(2 * len(known.ids), len(blocks)), dtype=np.int32)
-                grown[: known.count] = known.ids[: known.count]
-                known.ids = grown
-            known.ids[known.count:len(blocks)] = [block.block_id for block in blocks[known.count:]]
-            known.count = len(blocks)
-        self._block_ids[seq] = known
-        return known.ids

@@ -32,9 +32,7 @@ class IncrementalDetokenizer:
     `detokenize(output ids)` exactly.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool, stop: list[str],
-                 min_tokens: int = 0):
-        del prompt_token_ids  # accepted for the engine's call; see the class docstring for why it goes unused
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool, stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .errors import SettingError
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -42,6 +44,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's context window
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | torch | triton
     seed: int = 0  # seeds the seeds drawn for requests that bring none
 
     def cpu_kv_cache_memory(self) -> str | int:
@@ -49,29 +52,31 @@ class EngineArgs:
         return DEFAULT_CPU_KV_CACHE_MEMORY if self.kv_cache_memory is None else self.kv_cache_memory
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise SettingError for the first invalid field."""
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
-        choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda")}
+            raise SettingError("model", f"model must be a non-empty string, got {self.model!r}")
+        choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda"),
+                   "attention_backend": ("auto", "torch", "triton")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+                raise SettingError(name, f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "seed" else 1):
+                kind = "a non-negative" if name == "seed" else "a positive"
+                raise SettingError(name, f"{name} must be {kind} integer, got {value!r}")
         if self.block_size & (self.block_size - 1) or self.block_size > 1024:
-            raise ValueError(f"block_size must be a power of two up to 1024, got {self.block_size}")
+            raise SettingError("block_size", f"block_size must be a power of two up to 1024, got {self.block_size}")
         if self.kv_cache_memory is not None:
             try:
                 parse_bytes(self.kv_cache_memory)
             except ValueError as e:
-                raise ValueError(f"kv_cache_memory: {e}") from None
+                raise SettingError("kv_cache_memory", f"kv_cache_memory: {e}") from None
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+            raise SettingError("max_model_len", f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+            raise SettingError("gpu_memory_utilization",
+                               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise SettingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -39,9 +39,12 @@ class KVCacheManager:
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
             return False
         self.pool.touch(list(computed_blocks))
-        seq.blocks.extend(computed_blocks)
+        new_blocks = list(computed_blocks)
         if num_new_blocks > 0:
-            seq.blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+            new_blocks += self.pool.get_new_blocks(num_new_blocks)
+        if new_blocks:
+            seq.blocks.extend(new_blocks)
+            seq.block_ids.extend(new_blocks)
         if self.enable_prefix_caching:
             # Blocks that this step fills become findable now: within a step every layer stores all new K/V before
             # any attention reads them, so a sequence scheduled alongside may already share them.
@@ -56,3 +59,4 @@ class KVCacheManager:
         """Release a sequence's blocks tail first, so the shared head of a prefix stays cached longest."""
         self.pool.free_blocks(list(reversed(seq.blocks)))
         seq.blocks.clear()
+        seq.block_ids.clear()

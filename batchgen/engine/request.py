@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import SettingError
+
 
 @dataclass
 class SamplingParams:
@@ -31,56 +33,53 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise SettingError for the first invalid field."""
 
         def num(name: str, value: Any, kind: type) -> None:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if ok and isinstance(value, float):  # ints stay ints: float() of a huge one overflows
                 ok = math.isfinite(value) and (kind is float or value.is_integer())
             if not ok:
-                raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+                raise SettingError(name, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
 
         num("max_tokens", self.max_tokens, int)
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise SettingError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         num("temperature", self.temperature, float)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SettingError("temperature", f"temperature must be >= 0, got {self.temperature}")
         num("top_p", self.top_p, float)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SettingError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         num("top_k", self.top_k, int)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+            raise SettingError("top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         num("min_p", self.min_p, float)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SettingError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         num("repetition_penalty", self.repetition_penalty, float)
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise SettingError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             num(name, value, float)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise SettingError(name, f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
             num("seed", self.seed, int)
         num("min_tokens", self.min_tokens, int)
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+            raise SettingError("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            raise SettingError("stop", f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise SettingError("stop_token_ids",
+                               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise SettingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -92,7 +91,7 @@ class Request:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Result:
     """A finished request. Times are wall-clock epoch seconds, derived from one monotonic clock,
     so their differences are exact durations."""
@@ -110,6 +109,14 @@ class Result:
     first_scheduled_time: float | None
     first_token_time: float | None
     finish_time: float
+
+    @classmethod
+    def for_error(cls, request_id: Any, message: str, prompt_tokens: int, now: float) -> "Result":
+        """A request that never ran: no tokens, no timings but its arrival and finish at `now`. (Not named
+        `error`: that is the field holding the message.)"""
+        return cls(request_id=request_id, text="", token_ids=[], finish_reason="error", error=message,
+                   prompt_tokens=prompt_tokens, output_tokens=0, cached_tokens=0, num_preemptions=0,
+                   arrival_time=now, first_scheduled_time=None, first_token_time=None, finish_time=now)
 
     @property
     def queue_s(self) -> float | None:

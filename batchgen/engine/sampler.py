@@ -7,7 +7,6 @@ temperature -> top-k -> top-p -> min-p -> sample.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 from torch import Tensor
@@ -49,42 +48,43 @@ class SamplingBatch:
     banned_tokens: Tensor | None = None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], prompt_ids: list[list[int]],
-              output_ids: list[list[int]], eos_token_ids: list[int], vocab_size: int, device) -> "SamplingBatch":
+    def build(cls, params: list[SamplingParams], seeds: list[int], num_output_tokens: list[int],
+              penalty_states: list["PenaltyState | None"], eos_token_ids: list[int], vocab_size: int,
+              device) -> "SamplingBatch":
+        """penalty_states: each row's PenaltyState, None for rows without a penalty."""
         num_rows = len(params)
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
-        penalised = [p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                     for p in params]
-        banned = _min_tokens_bans(params, output_ids, eos_token_ids, vocab_size)
-        batch = cls(num_rows, all(greedy), any(penalised))
+        banned = _min_tokens_bans(params, num_output_tokens, eos_token_ids, vocab_size)
+        batch = cls(num_rows, all(greedy), any(state is not None for state in penalty_states))
         if banned:
             batch.banned_rows = torch.tensor([row for row, _ in banned], dtype=torch.long, device=device)
             batch.banned_tokens = torch.tensor([token for _, token in banned], dtype=torch.long, device=device)
         if batch.any_penalty:
-            batch._build_penalties(params, penalised, prompt_ids, output_ids, vocab_size, device)
+            batch._build_penalties(params, penalty_states, vocab_size, device)
         if not batch.all_greedy:
-            batch._build_random(params, greedy, seeds, output_ids, vocab_size, device)
+            batch._build_random(params, greedy, seeds, num_output_tokens, vocab_size, device)
         return batch
 
-    def _build_penalties(self, params, penalised, prompt_ids, output_ids, vocab_size, device) -> None:
+    def _build_penalties(self, params, penalty_states, vocab_size, device) -> None:
         def floats(values):
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         self.repetition_penalty = floats([p.repetition_penalty for p in params])
         self.presence_penalty = floats([p.presence_penalty for p in params])
         self.frequency_penalty = floats([p.frequency_penalty for p in params])
-        # Only penalised rows contribute tokens; ids outside the logits (embedding vocab > lm_head) are dropped.
-        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        out_rows = [i for i, is_penalised in enumerate(penalised) if is_penalised]
-        seen_ids = [list(chain(prompt_ids[i], output_ids[i])) for i in rep_rows]
-        self.seen_mask = torch.zeros(self.num_rows, vocab_size, dtype=torch.bool, device=device)
-        rows, ids = _flatten(rep_rows, seen_ids, vocab_size, device)
-        self.seen_mask[rows, ids] = True
-        self.output_counts = torch.zeros(self.num_rows, vocab_size, dtype=torch.float32, device=device)
-        rows, ids = _flatten(out_rows, [output_ids[i] for i in out_rows], vocab_size, device)
-        self.output_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        no_tokens = None
+        seen, counts = [], []
+        for state in penalty_states:
+            if state is None:
+                if no_tokens is None:
+                    no_tokens = PenaltyState([], vocab_size, device)
+                state = no_tokens
+            seen.append(state.seen)
+            counts.append(state.output_counts)
+        self.seen_mask = torch.stack(seen)
+        self.output_counts = torch.stack(counts)
 
-    def _build_random(self, params, greedy, seeds, output_ids, vocab_size, device) -> None:
+    def _build_random(self, params, greedy, seeds, num_output_tokens, vocab_size, device) -> None:
         def top_k_or_off(k: int) -> int:
             return vocab_size if k <= 0 or k >= vocab_size else int(k)
 
@@ -96,12 +96,42 @@ class SamplingBatch:
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
         self.seeds = torch.tensor([_to_signed(int(s)) for s in seeds], dtype=torch.long, device=device)
-        self.positions = torch.tensor([len(out) for out in output_ids], dtype=torch.long, device=device)
+        self.positions = torch.tensor(num_output_tokens, dtype=torch.long, device=device)
         random_params = [p for p, g in zip(params, greedy) if not g]
         self.max_top_k = max(top_k_or_off(p.top_k) for p in random_params)
         self.needs_top_k = any(top_k_or_off(p.top_k) < vocab_size for p in random_params)
         self.needs_top_p = any(p.top_p < 1.0 for p in random_params)
         self.needs_min_p = any(p.min_p > 0.0 for p in random_params)
+
+
+class PenaltyState:
+    """A penalised request's token statistics over the logits' vocabulary, kept up to date token by token instead
+    of being rebuilt from its token lists every step: which tokens occur in its prompt or output (repetition
+    penalty) and how often each occurs in its output (presence and frequency penalties). Ids outside the logits
+    (an embedding vocabulary larger than lm_head) are ignored."""
+
+    def __init__(self, prompt_ids: list[int], vocab_size: int, device) -> None:
+        self.vocab_size = vocab_size
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        ids = torch.tensor(prompt_ids, dtype=torch.long)
+        self.seen[ids[(ids >= 0) & (ids < vocab_size)].to(device)] = True
+
+    @classmethod
+    def from_tokens(cls, prompt_ids: list[int], output_ids: list[int], vocab_size: int, device) -> "PenaltyState":
+        state = cls(prompt_ids, vocab_size, device)
+        for token in output_ids:
+            state.append(token)
+        return state
+
+    def append(self, token: int) -> None:
+        if 0 <= token < self.vocab_size:
+            self.seen[token] = True
+            self.output_counts[token] += 1
+
+
+def has_penalty(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 class Sampler:
@@ -235,22 +265,13 @@ def _int32(values: Tensor) -> Tensor:
 
 # --- build helpers ----------------------------------------------------------------------------------------------------
 
-def _min_tokens_bans(params: list[SamplingParams], output_ids: list[list[int]], eos_token_ids: list[int],
+def _min_tokens_bans(params: list[SamplingParams], num_output_tokens: list[int], eos_token_ids: list[int],
                      vocab_size: int) -> list[tuple[int, int]]:
     """(row, token) pairs to mask: while a row has fewer than min_tokens outputs, its stop_token_ids and (unless
     ignore_eos, where EOS stops nothing) the EOS ids, as vLLM's MinTokensLogitsProcessor does."""
     banned = []
     for row, p in enumerate(params):
-        if p.min_tokens and len(output_ids[row]) < p.min_tokens:
+        if p.min_tokens and num_output_tokens[row] < p.min_tokens:
             stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(eos_token_ids)
             banned.extend((row, token) for token in sorted(stops) if 0 <= token < vocab_size)
     return banned
-
-
-def _flatten(rows: list[int], ids_per_row: list[list[int]], vocab_size: int, device) -> tuple[Tensor, Tensor]:
-    """Row index and token id tensors for scattering, with ids outside [0, vocab_size) dropped."""
-    lengths = torch.tensor([len(ids) for ids in ids_per_row], dtype=torch.long)
-    row_index = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
-    ids = torch.tensor(list(chain.from_iterable(ids_per_row)), dtype=torch.long)
-    keep = (ids >= 0) & (ids < vocab_size)
-    return row_index[keep].to(device), ids[keep].to(device)

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .block_pool import KVBlock, hash_block
 from .request import Request, SamplingParams
 
@@ -14,6 +16,33 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class BlockIds:
+    """A sequence's KV block ids as a growing int32 array. The KV cache manager appends to it as it hands out
+    blocks, so the model runner copies a row of a step's block table instead of walking the blocks."""
+
+    __slots__ = ("_ids", "count")
+
+    def __init__(self) -> None:
+        self._ids = np.empty(16, dtype=np.int32)
+        self.count = 0
+
+    @property
+    def array(self) -> np.ndarray:
+        return self._ids[: self.count]
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        end = self.count + len(blocks)
+        if end > len(self._ids):
+            grown = np.empty(max(2 * len(self._ids), end), dtype=np.int32)
+            grown[: self.count] = self._ids[: self.count]
+            self._ids = grown
+        self._ids[self.count:end] = [block.block_id for block in blocks]
+        self.count = end
+
+    def clear(self) -> None:
+        self.count = 0
 
 
 @dataclass(eq=False)
@@ -30,6 +59,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     blocks: list[KVBlock] = field(default_factory=list)
+    block_ids: BlockIds = field(default_factory=BlockIds)  # the ids of `blocks`, kept in step by the cache manager
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until then
     num_preemptions: int = 0
@@ -37,7 +67,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
-    detokenizer: Any = None
+    detokenizer: Any = None  # an IncrementalDetokenizer when the request has stop strings
+    penalty_state: Any = None  # a sampler.PenaltyState when the request has a repetition/presence/frequency penalty
 
     @classmethod
     def from_request(cls, request: Request, seed: int) -> "Sequence":
@@ -55,6 +86,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        if self.penalty_state is not None:
+            self.penalty_state.append(token)
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks within the first num_tokens tokens, extended incrementally."""

@@ -1,37 +1,41 @@
-"""job.yaml -> a frozen, validated JobConfig. Every error names the key (or file) it is about."""
+"""job.yaml -> a frozen, validated JobConfig. Every error names the key (or file) it is about.
+
+The `engine:` keys are EngineArgs' fields (but model, dtype and device, which are top-level keys) and the
+`sampling:` keys are SamplingParams' fields: a field added there is a job key with no edit here. A value is
+checked once for its YAML type here, then by EngineArgs.validate() or SamplingParams.validate(), whose
+SettingError names the field."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
+import logging
 import string
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
+from batchgen.engine.engine_args import EngineArgs
+from batchgen.engine.errors import SettingError
 from batchgen.engine.request import SamplingParams
 
+from .keys import JobConfigError, keys_of, plain, read_keys
+from .schema import OUTPUT_COLUMNS, ROW_COLUMN
 
-class JobConfigError(ValueError):
-    """A problem with the job itself (its file, keys, values, input or output location), found before the
-    model loads. The message is one line and names the key, file or column."""
-
+log = logging.getLogger(__name__)
 
 # Input columns with these names override the job's sampling value for their row.
 ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 
-# The fixed output columns, in order; keep_columns follow them.
-OUTPUT_COLUMNS = (
-    "id", "text", "finish_reason", "error", "prompt_tokens", "output_tokens", "cached_tokens",
-    "queue_s", "ttft_s", "tpot_s", "e2e_s", "arrival_time", "first_token_time", "finish_time", "num_preemptions",
-)
+# EngineArgs fields that the job file has as top-level keys rather than under `engine:`.
+TOP_LEVEL_KEYS = ("model", "dtype", "device")
 
-# The internal column of in-progress part files: the row's position in the input (the resume ledger).
-ROW_COLUMN = "_row"
+# The job's sampling defaults where they differ from SamplingParams' (vLLM's 16 tokens at temperature 1.0):
+# a batch job wants reproducible, greedy output of a useful length.
+JOB_SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
+
+SortOrder = Literal["prefix", "length", "none"]
 
 
 @dataclass(frozen=True)
@@ -44,45 +48,33 @@ class InputConfig:
     system_column: str | None = None
     template: str | None = None
     chat_template: bool = True
+    sort: SortOrder = "prefix"
     sort_window: int = 10_000
     read_batch_rows: int = 1024
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-
-    def params(self, **overrides: Any) -> SamplingParams:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values.update(overrides)
-        values["stop"] = list(values["stop"])
-        values["stop_token_ids"] = list(values["stop_token_ids"])
-        return SamplingParams(**values)
+def _params(self, **overrides: Any) -> SamplingParams:
+    """The job's sampling values as SamplingParams, with a row's `overrides`."""
+    values = {**dataclasses.asdict(self), **overrides}
+    return SamplingParams(**{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    block_size: int = 16
-    kv_cache_memory: Union[str, int, None] = None  # None: 2GiB on the CPU; on CUDA, gpu_memory_utilization decides
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None  # default: the model's context window
-    sort: Literal["prefix", "length", "none"] = "prefix"
+def _sampling_config() -> type:
+    """SamplingParams' fields as a frozen dataclass (lists become tuples), with JOB_SAMPLING_DEFAULTS."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields = []
+    for f in dataclasses.fields(SamplingParams):
+        hint = hints[f.name]
+        default = JOB_SAMPLING_DEFAULTS.get(f.name, f.default_factory() if f.default is dataclasses.MISSING
+                                            else f.default)
+        if typing.get_origin(hint) is list:
+            hint, default = tuple[typing.get_args(hint)[0], ...], tuple(default)
+        fields.append((f.name, hint, dataclasses.field(default=default)))
+    namespace = {"params": _params, "__module__": __name__}
+    return dataclasses.make_dataclass("SamplingConfig", fields, frozen=True, namespace=namespace)
+
+
+SamplingConfig = _sampling_config()
 
 
 @dataclass(frozen=True)
@@ -98,15 +90,42 @@ class OutputConfig:
 class JobConfig:
     input: InputConfig
     output: OutputConfig
-    model: str = "default"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig
+    engine: EngineArgs  # validated; holds the job's top-level model, dtype and device too (do not mutate)
+
+    @property
+    def model(self) -> str:
+        return self.engine.model
+
+    @property
+    def dtype(self) -> str:
+        return self.engine.dtype
+
+    @property
+    def device(self) -> str:
+        return self.engine.device
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values (tuples become lists)."""
-        return _plain(dataclasses.asdict(self))
+        """The job file's keys with plain JSON-able values (tuples become lists)."""
+        engine = dataclasses.asdict(self.engine)
+        top = {key: engine.pop(key) for key in TOP_LEVEL_KEYS}
+        return plain({"input": dataclasses.asdict(self.input), "output": dataclasses.asdict(self.output), **top,
+                      "sampling": dataclasses.asdict(self.sampling), "engine": engine})
+
+
+# engine.sort is the deprecated spelling of input.sort.
+ENGINE_KEYS = {**keys_of(EngineArgs, skip=TOP_LEVEL_KEYS), "sort": (SortOrder | None, False)}
+
+# The job file's keys. A dataclass is a section built as that class, a dict a section read as a dict.
+JOB_KEYS = {
+    "input": (InputConfig, True),
+    "output": (OutputConfig, True),
+    "model": (str, False),
+    "dtype": (Literal["auto", "float32", "bfloat16", "float16"], False),
+    "device": (Literal["auto", "cpu", "cuda"], False),
+    "sampling": (SamplingConfig, False),
+    "engine": (ENGINE_KEYS, False),
+}
 
 
 def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfig:
@@ -159,102 +178,25 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def parse_job(raw: dict[str, Any]) -> JobConfig:
-    config = _build(JobConfig, raw, prefix="")
+    values = read_keys(JOB_KEYS, raw, prefix="")
+    engine = values.pop("engine")
+    explicit_sort = "sort" in (raw.get("input") or {})
+    source = _input_with_sort(values.pop("input"), engine.pop("sort", None), explicit_sort)
+    engine_args = EngineArgs(**{key: values.pop(key) for key in TOP_LEVEL_KEYS if key in values}, **engine)
+    config = JobConfig(input=source, engine=engine_args, **values)
     _check(config)
     return config
 
 
-# -- building dataclasses from plain values, type by type ------------------------------------------------------
-
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    where = prefix.rstrip(".") or "the job file"
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise JobConfigError(f"{where}: expected a mapping of keys, got {_describe(raw)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in fields:
-            near = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean {prefix}{near[0]}?)" if near else f" (known keys: {', '.join(fields)})"
-            raise JobConfigError(f"unknown key {prefix}{key}{hint}")
-    values = {}
-    for name, f in fields.items():
-        key = prefix + name
-        hint = hints[name]
-        if name not in raw:
-            if dataclasses.is_dataclass(hint):  # a missing section: report its first missing key
-                values[name] = _build(hint, {}, key + ".")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise JobConfigError(f"missing key {key}")
-            continue
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, raw[name], key + ".")
-        else:
-            values[name] = _convert(raw[name], hint, key)
-    return cls(**values)
-
-
-def _convert(value: Any, hint: Any, key: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _convert(value, option, key)
-            except JobConfigError as exc:
-                errors.append(exc)
-        if len(errors) == 1:
-            raise errors[0]
-        names = " or ".join(_type_name(a) for a in args if a is not type(None))
-        raise JobConfigError(f"{key}: expected {names}, got {_describe(value)}")
-    if origin is Literal:
-        if value not in args:
-            raise JobConfigError(f"{key}: expected one of {' | '.join(map(str, args))}, got {_describe(value)}")
-        return value
-    if origin is tuple:
-        items = value if isinstance(value, (list, tuple)) else [value]
-        return tuple(_convert(item, args[0], f"{key}[{i}]") for i, item in enumerate(items))
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise JobConfigError(f"{key}: expected true or false, got {_describe(value)}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise JobConfigError(f"{key}: expected an integer, got {_describe(value)}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise JobConfigError(f"{key}: expected a number, got {_describe(value)}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise JobConfigError(f"{key}: expected a string, got {_describe(value)}")
-        return value
-    raise TypeError(f"unsupported config type {hint!r} for {key}")
-
-
-def _type_name(hint: Any) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, (dict, list)):
-        return f"a {'mapping' if isinstance(value, dict) else 'list'}"
-    return f"{value!r}"
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+def _input_with_sort(source: InputConfig, engine_sort: str | None, explicit: bool) -> InputConfig:
+    """Honour the deprecated engine.sort; a conflicting input.sort is an error."""
+    if engine_sort is None:
+        return source
+    if explicit and engine_sort != source.sort:
+        raise JobConfigError(f"engine.sort: {engine_sort!r} conflicts with input.sort: {source.sort!r}; "
+                             f"engine.sort is deprecated, keep only input.sort")
+    log.warning("engine.sort is deprecated: write input.sort: %s instead", engine_sort)
+    return dataclasses.replace(source, sort=engine_sort)
 
 
 # -- checks across keys ------------------------------------------------------------------------------------------
@@ -263,8 +205,24 @@ def _check(config: JobConfig) -> None:
     if not config.model.strip():
         raise JobConfigError("model: must not be empty")
     _check_input(config.input)
-    _check_sampling(config.sampling)
+    _validate(config.engine, "engine")
+    _validate(config.sampling.params(), "sampling")
     _check_output(config.output)
+
+
+def _validate(settings: EngineArgs | SamplingParams, section: str) -> None:
+    try:
+        settings.validate()
+    except SettingError as exc:
+        raise setting_error(exc, section) from None
+
+
+def setting_error(exc: SettingError, section: str) -> JobConfigError:
+    """An invalid EngineArgs or SamplingParams field as a job error naming its job key: model, dtype, device,
+    or `section`.<field>."""
+    key = exc.key if exc.key in TOP_LEVEL_KEYS else f"{section}.{exc.key}"
+    message = str(exc)
+    return JobConfigError(message if message.startswith(f"{key}:") else f"{key}: {message}")
 
 
 def _check_input(cfg: InputConfig) -> None:
@@ -306,16 +264,6 @@ def template_columns(template: str) -> list[str]:
     if not columns:
         raise JobConfigError("input.template: reads no column; name one in braces, e.g. {text}")
     return columns
-
-
-def _check_sampling(cfg: SamplingConfig) -> None:
-    try:
-        cfg.params().validate()
-    except ValueError as exc:
-        message = str(exc)
-        name = message.split(" ")[0]
-        key = f"sampling.{name}" if name in {f.name for f in dataclasses.fields(cfg)} else "sampling"
-        raise JobConfigError(f"{key}: {message}") from None
 
 
 def _check_output(cfg: OutputConfig) -> None:

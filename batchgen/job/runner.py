@@ -2,7 +2,6 @@
 raise JobConfigError); `execute_job` loads the model, streams the remaining rows and finalizes the output."""
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import importlib.util
 import json
@@ -18,10 +17,12 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 
 import batchgen
-from batchgen.engine import EngineArgs, Request, Result
+from batchgen.engine import Request, Result
+from batchgen.engine.errors import SettingError
 
-from .config import JobConfig, JobConfigError
-from .sink import OutputDir, PartWriter, RowTotals, apply_plan, finalize, output_schema
+from .config import JobConfig, JobConfigError, setting_error
+from .schema import ROW_POSITION_ID_TYPE, output_schema
+from .sink import OutputDir, PartWriter, RowTotals, apply_plan, finalize
 from .source import InputFiles, SourceRow, inspect_input, read_source
 
 # The parts of a job that change its results: a resume is refused when any of them differs.
@@ -33,7 +34,6 @@ PROMPT_KEYS = ("id_column", "prompt_column", "messages_column", "system_prompt",
 class PreparedJob:
     config: JobConfig
     inputs: InputFiles
-    engine_args: EngineArgs
     fingerprint: dict[str, Any]
     out: OutputDir
     complete: dict | None = None  # the _SUCCESS summary when the job already finished
@@ -42,7 +42,7 @@ class PreparedJob:
     @property
     def schema(self) -> pa.Schema:
         types = self.inputs.column_types
-        id_type = types[self.config.input.id_column] if self.config.input.id_column else pa.int64()
+        id_type = types[self.config.input.id_column] if self.config.input.id_column else ROW_POSITION_ID_TYPE
         return output_schema(id_type, [(c, types[c]) for c in self.config.output.keep_columns])
 
     def release(self) -> None:
@@ -90,16 +90,16 @@ class Progress:
 # -- before the model loads ----------------------------------------------------------------------------------------
 
 def prepare_job(config: JobConfig, overwrite: bool = False) -> PreparedJob:
-    """Every check that needs no model: input files and columns, model location, engine settings, and what the
-    output directory holds. Takes the output's lock unless the job is already complete."""
+    """Every check that needs no model: input files and columns, model location, device, and what the output
+    directory holds (the engine settings were validated with the job). Takes the output's lock unless the job is
+    already complete."""
     inputs = inspect_input(config)
     model = check_model(config.model)
-    engine_args = make_engine_args(config)
     check_device(config.device)
     fingerprint = job_fingerprint(config, model, inputs)
     out = OutputDir(config.output.path)
     complete = check_output(out, fingerprint, overwrite)
-    job = PreparedJob(config, inputs, engine_args, fingerprint, out, complete)
+    job = PreparedJob(config, inputs, fingerprint, out, complete)
     if complete is None:
         job.lock_fd = lock_output(out)
         if overwrite:
@@ -110,7 +110,7 @@ def prepare_job(config: JobConfig, overwrite: bool = False) -> PreparedJob:
 def check_model(ref: str) -> str:
     """Where the model is, checked cheaply (no loading, no conversion): what identifies it in the fingerprint."""
     if ref == "default":
-        from batchgen import model_loader
+        from batchgen.models import loader as model_loader
         spec = importlib.util.find_spec(model_loader.DEFAULT_MODEL_PACKAGE)
         if spec is None or spec.origin is None:
             raise JobConfigError(f"model: the default model needs the {model_loader.DEFAULT_MODEL_PACKAGE!r} "
@@ -136,19 +136,6 @@ def check_device(device: str) -> None:
         import torch
         if not torch.cuda.is_available():
             raise JobConfigError("device: cuda was asked for but torch sees no CUDA device (use auto or cpu)")
-
-
-def make_engine_args(config: JobConfig) -> EngineArgs:
-    engine = dataclasses.asdict(config.engine)
-    engine.pop("sort")
-    args = EngineArgs(model=config.model, dtype=config.dtype, device=config.device, **engine)
-    try:
-        args.validate()
-    except ValueError as exc:
-        name = str(exc).split(" ")[0].rstrip(":")
-        key = name if name in ("model", "dtype", "device") else f"engine.{name}" if name in engine else "engine"
-        raise JobConfigError(f"{key}: {exc}") from None
-    return args
 
 
 def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[str, Any]:
@@ -271,17 +258,11 @@ def load_engine(job: PreparedJob):
     from batchgen.models import ModelError
 
     try:
-        engine = Engine(job.engine_args)
+        engine = Engine(job.config.engine)
     except ModelError as exc:  # e.g. an architecture we do not support: a problem with the job, not a crash
         raise JobConfigError(f"model: {exc}") from None
-    except ValueError as exc:  # the engine names the setting it cannot honour
-        name = str(exc).split(" ")[0].rstrip(":")
-        engine_keys = {f.name for f in dataclasses.fields(job.config.engine)}
-        if name in ("model", "dtype", "device"):
-            raise JobConfigError(str(exc)) from None
-        if name in engine_keys:
-            raise JobConfigError(f"engine.{name}: {exc}") from None
-        raise
+    except SettingError as exc:  # a setting the engine cannot honour, e.g. a KV cache too small for the model
+        raise setting_error(exc, "engine") from None
     if job.config.input.chat_template and getattr(engine.tokenizer, "chat_template", None) is None:
         raise JobConfigError(f"input.chat_template: model {job.config.model} has no chat template; "
                              f"set input.chat_template: false")
@@ -311,8 +292,7 @@ def stream_rows(rows: Iterable[SourceRow], generate: Callable[[Iterator[Request]
 
 
 def error_result(row: SourceRow) -> Result:
-    now = time.time()
-    return Result(row.row, "", [], "error", row.error, row.prompt_tokens, 0, 0, 0, now, None, None, now)
+    return Result.for_error(row.row, row.error, row.prompt_tokens, time.time())
 
 
 def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, engine_stats: dict,

@@ -26,25 +26,13 @@ import pyarrow.parquet as pq
 
 from batchgen.engine.request import Result
 
-from .config import OUTPUT_COLUMNS, ROW_COLUMN
+from .schema import COLUMNS, ID_COLUMN, RESULT_COLUMNS, ROW_COLUMN
 
 FINGERPRINT_KEY = b"batchgen.fingerprint"
 SUCCESS = "_SUCCESS"
 PLAN = "_PLAN.json"
 RUN_PART = re.compile(r"run-(\d+)\.parquet")
 FINAL_PART = re.compile(r"part-(\d+)\.parquet")
-TIMESTAMP = pa.timestamp("us", tz="UTC")
-
-
-def output_schema(id_type: pa.DataType, keep: list[tuple[str, pa.DataType]]) -> pa.Schema:
-    fields = [
-        ("id", id_type), ("text", pa.string()), ("finish_reason", pa.string()), ("error", pa.string()),
-        ("prompt_tokens", pa.int64()), ("output_tokens", pa.int64()), ("cached_tokens", pa.int64()),
-        ("queue_s", pa.float64()), ("ttft_s", pa.float64()), ("tpot_s", pa.float64()), ("e2e_s", pa.float64()),
-        ("arrival_time", TIMESTAMP), ("first_token_time", TIMESTAMP), ("finish_time", TIMESTAMP),
-        ("num_preemptions", pa.int64()),
-    ]
-    return pa.schema(fields + list(keep))
 
 
 def run_part_schema(schema: pa.Schema, fingerprint: str) -> pa.Schema:
@@ -132,27 +120,15 @@ class PartWriter:
         self.clock = clock
         self.seq = out.next_seq()
         self.columns: dict[str, list] = {name: [] for name in self.schema.names}
-        self.keep_names = self.schema.names[len(OUTPUT_COLUMNS):-1]
+        self.keep_names = self.schema.names[len(COLUMNS):-1]
         self.last_commit = clock()
         self.committed_rows = 0
 
     def add(self, row: int, ident: Any, keep: tuple, result: Result) -> None:
         c = self.columns
-        c["id"].append(ident)
-        c["text"].append(result.text)
-        c["finish_reason"].append(result.finish_reason)
-        c["error"].append(result.error)
-        c["prompt_tokens"].append(result.prompt_tokens)
-        c["output_tokens"].append(result.output_tokens)
-        c["cached_tokens"].append(result.cached_tokens)
-        c["queue_s"].append(result.queue_s)
-        c["ttft_s"].append(result.ttft_s)
-        c["tpot_s"].append(result.tpot_s)
-        c["e2e_s"].append(result.e2e_s)
-        c["arrival_time"].append(_micros(result.arrival_time))
-        c["first_token_time"].append(_micros(result.first_token_time))
-        c["finish_time"].append(_micros(result.finish_time))
-        c["num_preemptions"].append(result.num_preemptions)
+        c[ID_COLUMN.name].append(ident)
+        for column in RESULT_COLUMNS:
+            c[column.name].append(column.value(result))
         for name, value in zip(self.keep_names, keep):
             c[name].append(value)
         c[ROW_COLUMN].append(row)
@@ -171,10 +147,6 @@ class PartWriter:
         self.seq += 1
         self.committed_rows += table.num_rows
         self.columns = {name: [] for name in self.schema.names}
-
-
-def _micros(t: float | None) -> int | None:
-    return None if t is None else int(round(t * 1_000_000))
 
 
 def atomic_write(table: pa.Table, out: OutputDir, name: str, row_group_size: int | None = None,

@@ -141,7 +141,7 @@ def read_source(config: JobConfig, inputs: InputFiles, tokenizer: Tokenizer, max
     """Stream the job's rows, skipping those marked in `done`, sorted within windows of `input.sort_window`."""
     builder = PromptBuilder(config, inputs, tokenizer, max_model_len)
     built = (row for batch in read_batches(config, inputs, done) for row in builder.build(batch))
-    return sort_windows(built, config.input.sort_window, config.engine.sort)
+    return sort_windows(built, config.input.sort_window, config.input.sort)
 
 
 def read_batches(config: JobConfig, inputs: InputFiles,

@@ -24,7 +24,7 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend = None
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "auto") -> None:
         expected = (self.num_kv_heads, self.head_dim)
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if cache.dim() != 4 or tuple(cache.shape[2:]) != expected:
@@ -33,7 +33,7 @@ class Attention(nn.Module):
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ in shape")
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.backend = get_backend(k_cache.device)
+        self.backend = get_backend(k_cache.device, backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] → [T, num_heads, head_dim]."""

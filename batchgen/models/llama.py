@@ -204,12 +204,14 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        """Give each layer its slice of the paged KV cache (one [num_blocks, block_size, Hkv, D] tensor each)."""
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                      attention_backend: str = "auto") -> None:
+        """Give each layer its slice of the paged KV cache (one [num_blocks, block_size, Hkv, D] tensor each) and
+        the attention backend (batchgen_kernels.get_backend's names) that reads it."""
         if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
             raise ValueError(f"need {self.num_layers} k and v caches, got {len(k_caches)} and {len(v_caches)}")
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
-            layer.self_attn.attn.bind_kv_cache(k_cache, v_cache)
+            layer.self_attn.attn.bind_kv_cache(k_cache, v_cache, attention_backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -67,26 +67,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.permute(2, 0, 1, 3).reshape(q_len, q_heads, dim)
 
 
-def decode_groups(seq_lens: list[int], tokens_per_group: int = 4096) -> list[list[int]]:
-    """Decode rows sorted by context length and cut into groups of about `tokens_per_group` gathered tokens. Each
-    group gathers only up to its own longest context, and its K/V stay small enough for the CPU's caches (one
-    gather of a whole large batch is 3-4x slower: see docs/performance.md)."""
-    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
-    groups: list[list[int]] = []
-    for row in order:
-        if groups and (len(groups[-1]) + 1) * seq_lens[row] <= tokens_per_group:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return groups
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """Attention for a whole varlen step ([T, Hq, D]): the decodes batched together, prefills one by one."""
     out = torch.empty_like(q)
     nd = md.num_decodes
-    for group in decode_groups(md.seq_lens_cpu[:nd]):
+    for group in md.decode_groups:
         rows = torch.tensor(group, device=q.device)
         out[rows] = paged_decode(q[rows], k_cache, v_cache, md.block_tables[rows], md.seq_lens[rows],
                                  md.seq_lens_cpu[group[-1]], scale)

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from batchgen.models import LlamaForCausalLM, ModelError, build_model, model_variant
+from .llama import LlamaForCausalLM
+from .registry import ModelError, build_model, model_variant
 
 logger = logging.getLogger("batchgen")
 

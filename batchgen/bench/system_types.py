@@ -1,0 +1,61 @@
+"""What every system under test takes besides the rows (BenchOptions) and gives back (SystemRun of RowOutputs).
+
+Not named `types.py`: vllm_worker.py runs as a script from this folder, where such a file would shadow the
+standard library's `types` for everything that worker imports."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RowOutput:
+    """One row's greedy output. Times are seconds since the start of the system's generation run (every row of an
+    offline batch arrives at that moment), None where the system does not expose them."""
+
+    id: int
+    token_ids: list[int]  # including the EOS token when the row stopped on it
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.first_token_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_token_s is None or self.finish_s is None or len(self.token_ids) < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (len(self.token_ids) - 1)
+
+
+@dataclass
+class SystemRun:
+    name: str
+    available: bool
+    reason: str | None = None  # why it is unavailable
+    load_s: float | None = None  # model load (and start-up), apart from generation
+    wall_s: float | None = None  # generation of every row
+    rows: list[RowOutput] = field(default_factory=list)
+    peak_rss_bytes: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)  # system-specific figures (batch size, cache hits, ...)
+
+    @classmethod
+    def unavailable(cls, name: str, reason: str, **details: Any) -> "SystemRun":
+        return cls(name, False, reason, details=details)
+
+
+@dataclass
+class BenchOptions:
+    """What the systems need besides the rows."""
+
+    engine_args: Any  # batchgen.engine.EngineArgs for the batchgen systems (the model too)
+    hf_batch_sizes: tuple[int, ...] = (16, 32)
+    vllm_python: str | None = None
+    hf_continuous_time_limit_s: float = 1800.0
+
+
+def elapsed(since: float) -> float:
+    return time.monotonic() - since

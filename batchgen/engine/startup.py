@@ -1,0 +1,92 @@
+"""Everything an Engine needs before its first step, in the order it has to happen: device and dtype, tokenizer and
+model, the KV cache's size, the model runner that allocates that cache, and on CUDA the decode graphs."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
+from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
+from .engine_args import EngineArgs, parse_bytes
+from .errors import SettingError
+from .gpu_memory import kv_cache_budget
+from .model_runner import ModelRunner
+
+logger = logging.getLogger("batchgen")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineSetup:
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any
+    model: torch.nn.Module
+    eos_token_ids: list[int]
+    num_blocks: int
+    max_model_len: int  # the shortest of: asked for, the model's context, what the KV cache holds
+    runner: ModelRunner
+
+
+def set_up(args: EngineArgs) -> EngineSetup:
+    device = resolve_device(args.device)
+    dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, dtype, device)
+    eos = eos_token_ids(model_dir, tokenizer)
+    # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
+    num_blocks = num_kv_blocks(model, args, dtype, device)
+    max_model_len = min(args.max_model_len or model.max_model_len, model.max_model_len, num_blocks * args.block_size)
+    runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, eos, args.attention_backend)
+    if device.type == "cuda" and not args.enforce_eager:
+        runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device)
+    return EngineSetup(device, dtype, tokenizer, model, eos, num_blocks, max_model_len, runner)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SettingError("device", "device: cuda was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def num_kv_blocks(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, device: torch.device) -> int:
+    m = model
+    bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(dtype).bits // 8
+    if args.kv_cache_memory is None and device.type == "cuda":
+        # what is free after the weights and a profiling step, times the utilisation
+        budget = kv_cache_budget(m, args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
+                                 args.gpu_memory_utilization, args.attention_backend)
+        source = f"from gpu_memory_utilization {args.gpu_memory_utilization} ({max(budget, 0)} bytes)"
+    else:
+        budget, source = parse_bytes(args.cpu_kv_cache_memory()), repr(args.cpu_kv_cache_memory())
+    num_blocks = budget // (bytes_per_token * args.block_size)
+    if num_blocks < 2:
+        raise SettingError("kv_cache_memory", f"kv_cache_memory {source} holds fewer than 2 blocks of "
+                                              f"{args.block_size} tokens ({bytes_per_token} bytes per token)")
+    logger.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dims x %s), %d blocks of %d = %d tokens,"
+                " %.2f GiB", bytes_per_token, m.num_layers, m.num_kv_heads, m.head_dim, dtype, num_blocks,
+                args.block_size, num_blocks * args.block_size, num_blocks * args.block_size * bytes_per_token / 2**30)
+    return num_blocks
+
+
+def capture_decode_graphs(model: torch.nn.Module, args: EngineArgs, max_model_len: int,
+                          device: torch.device) -> DecodeGraphRunner | None:
+    """Decode-only steps replay CUDA graphs, captured now for every bucketed batch size; None (eager) if that
+    fails or the attention backend cannot run padded batches."""
+    if not padded_decode_supported(device, args.attention_backend):
+        logger.warning("no CUDA graphs: they need the Triton attention kernels (is triton installed?)")
+        return None
+    graphs = DecodeGraphRunner(model, args.block_size, args.max_num_seqs, max_model_len, device, capture=True)
+    try:
+        graphs.capture_all()
+    except Exception as exc:  # noqa: BLE001 -- eager decoding gives the same tokens, only slower
+        logger.warning("no CUDA graphs, decoding eagerly: capturing them failed: %s: %s", type(exc).__name__, exc)
+        return None
+    return graphs
