@@ -1,5 +1,6 @@
 """`batchgen run JOB.yaml`: exit 0 when the output is complete, 2 for a problem with the job found before the model
-loads (one line naming the key, file or column), 1 for a failure while running (committed rows stay committed)."""
+loads (one line naming the key, file or column), 1 for a failure while running (committed rows stay committed),
+130 when interrupted. A failure's last stderr line is `batchgen: error: ...`; its traceback only with --debug."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +8,8 @@ import signal
 import sys
 import time
 import traceback
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import click
 
@@ -27,15 +30,19 @@ def main() -> None:
               help="Override a job key, e.g. --set engine.max_num_seqs=64 (repeatable).")
 @click.option("--overwrite", is_flag=True, help="Discard the output of an earlier run and start over.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary.")
-def run(job: str, overrides: tuple[str, ...], overwrite: bool, quiet: bool) -> None:
+@click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
+              help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
+@click.option("--cost-per-hour", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
+              help="Price of this machine per hour: _SUCCESS then records cost_per_hour and tokens_per_dollar.")
+def run(job: str, overrides: tuple[str, ...], overwrite: bool, quiet: bool, debug: bool,
+        cost_per_hour: float | None) -> None:
     """Run the job in JOB.yaml; re-running the same command resumes it."""
-    from batchgen.job import JobConfigError, execute_job, load_job, prepare_job
+    from batchgen.job import execute_job, load_job, prepare_job
 
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="batchgen: %(message)s")
-    try:
+    with reported_failures(debug):
         prepared = prepare_job(load_job(job, overrides), overwrite=overwrite)
-    except JobConfigError as exc:
-        _fail(EXIT_JOB, str(exc))
+        prepared.cost_per_hour = cost_per_hour
     if prepared.complete is not None:
         click.echo(f"batchgen: {prepared.out.path} is already complete ({prepared.complete.get('rows', 0)} rows); "
                    f"nothing to do (--overwrite runs it again)", err=True)
@@ -44,18 +51,8 @@ def run(job: str, overrides: tuple[str, ...], overwrite: bool, quiet: bool) -> N
     bar = ProgressBar(disable=quiet or not sys.stderr.isatty())
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # a scheduler's kill: commit what finished
     try:
-        summary = execute_job(prepared, on_progress=bar.update, on_start=bar.start)
-    except JobConfigError as exc:
-        bar.close()
-        _fail(EXIT_JOB, str(exc))
-    except KeyboardInterrupt:
-        bar.close()
-        _fail(EXIT_INTERRUPTED, "interrupted; finished rows are committed, re-run the same command to resume")
-    except Exception as exc:
-        bar.close()
-        traceback.print_exc()
-        _fail(EXIT_RUNTIME, f"runtime failure: {type(exc).__name__}: {exc} "
-                            f"(committed rows are kept; re-run the same command to resume)")
+        with reported_failures(debug, before_exit=bar.close):
+            summary = execute_job(prepared, on_progress=bar.update, on_start=bar.start)
     finally:
         signal.signal(signal.SIGTERM, previous)
     bar.close()
@@ -127,8 +124,72 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
     click.echo(f"  record: {result.record_path}  chart: {result.chart_path}  archive: {result.archive_path}")
 
 
-def _fail(code: int, message: str) -> None:
-    click.echo(f"batchgen: error: {message}", err=True)
+@main.command()
+@click.argument("job", metavar="JOB.yaml")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a job key, as with run (repeatable).")
+@click.option("--overwrite", is_flag=True, help="Plan a run with --overwrite (nothing is removed).")
+@click.option("--sample-rows", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Rows read, built and tokenized for the token statistics (the first ones of the input).")
+@click.option("--cost-per-hour", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
+              help="Price of this machine per hour: the plan adds the job's cost and output tokens per dollar.")
+@click.option("--archive", default=None, metavar="PATH",
+              help="The bench archive the time estimate comes from [default: docs/performance-archive.jsonl, "
+                   "here or else in batchgen's source tree].")
+def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int, cost_per_hour: float | None,
+         archive: str | None) -> None:
+    """Check JOB.yaml as run would and print the plan (prompts, tokens, memory, time, resume state) without
+    loading the model's weights or writing anything. Exit 2 for a problem run would refuse, or a memory estimate
+    above the memory available."""
+    from pathlib import Path
+
+    from batchgen.job import JobConfigError, load_job
+    from batchgen.job.plan import make_plan
+    from batchgen.job.plan_report import format_plan
+
+    logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
+    if archive is None:
+        here = Path("docs/performance-archive.jsonl")
+        archive = here if here.is_file() else Path(batchgen.__file__).parents[1] / here
+    try:
+        made = make_plan(load_job(job, overrides), overwrite, sample_rows, cost_per_hour, Path(archive))
+    except JobConfigError as exc:
+        _fail(EXIT_JOB, str(exc))
+    click.echo(format_plan(made, job))
+    for warning in made.warnings:
+        click.echo(f"batchgen: warning: {warning}", err=True)
+    for problem in made.problems:
+        click.echo(f"batchgen: error: {problem}", err=True)
+    sys.exit(EXIT_JOB if made.problems else EXIT_OK)
+
+
+@contextmanager
+def reported_failures(debug: bool, before_exit: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Every failure inside as its exit code and one last stderr line (a traceback before it only with --debug):
+    a problem with the job 2, an interrupt 130, anything else a runtime failure, 1."""
+    from batchgen.job import JobConfigError
+
+    try:
+        yield
+    except JobConfigError as exc:
+        before_exit()
+        _fail(EXIT_JOB, str(exc), debug)
+    except KeyboardInterrupt:
+        before_exit()
+        _fail(EXIT_INTERRUPTED, "interrupted; finished rows are committed, re-run the same command to resume", debug)
+    except Exception as exc:
+        before_exit()
+        text = str(exc).strip()
+        detail = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+        _fail(EXIT_RUNTIME, f"runtime failure: {detail} (committed rows are kept; re-run the same command to "
+                            f"resume{'' if debug else '; --debug shows the traceback'})", debug)
+
+
+def _fail(code: int, message: str, debug: bool = False) -> None:
+    if debug and sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    one_line = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    click.echo(f"batchgen: error: {one_line}", err=True)
     sys.exit(code)
 
 

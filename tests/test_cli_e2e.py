@@ -54,7 +54,8 @@ def base_job(input_path: Path, output_path: Path, **sections) -> dict:
 BAD = {  # key -> (prompt, temperature, max_tokens, expected error fragment)
     "k-null": (None, None, None, "prompt is null"),
     "k-empty": ("", None, None, "prompt is empty"),
-    "k-long": ("Please summarize the following text carefully. " * 60, None, None, "prompt is too long"),
+    "k-long": ("Please summarize the following text carefully. " * 60, None, None,
+               "tokens, engine.max_model_len is 320 tokens"),  # the limit that was hit, named
     "k-temp": ("What time do you open?", -1.0, None, "temperature must be >= 0"),
     "k-maxtok": ("Do you sell gift cards?", None, 0, "max_tokens must be at least 1"),
 }
@@ -76,7 +77,7 @@ def finished(tmp_path_factory):
                       "max_tokens": pa.array(maxes, pa.int64()), "source": list(range(100, 100 + len(keys)))})
     pq.write_table(table, root / "in.parquet")
     job = write_job(root / "job.yaml", base_job(root / "in.parquet", root / "out"))
-    proc = run_cli(job, "--set", "engine.max_num_seqs=6", cwd=root)
+    proc = run_cli(job, "--set", "engine.max_num_seqs=6", "--cost-per-hour", "3.6", cwd=root)
     return root, job, table, proc
 
 
@@ -174,6 +175,8 @@ def test_success_agrees_with_the_rows(finished):
     assert summary["preemptions"] == df["num_preemptions"].sum()
     assert summary["prefix_cache_hit_rate"] == pytest.approx(ok["cached_tokens"].sum() / ok["prompt_tokens"].sum())
     assert summary["output_tokens_per_s"] == pytest.approx(summary["output_tokens"] / summary["wall_s"])
+    assert summary["cost_per_hour"] == 3.6  # tokens per dollar of the run's wall time: tokens/s x 1000 s per dollar
+    assert summary["tokens_per_dollar"] == pytest.approx(summary["output_tokens_per_s"] * 1000)
     assert summary["rows_this_run"] == 11 and summary["resumed"] is False
     assert summary["peak_memory_bytes"] > 0
     assert summary["job"]["engine"]["max_num_seqs"] == 6  # the resolved config, --set included
@@ -209,16 +212,15 @@ def test_overwrite_with_another_sort_gives_the_same_rows(finished):
     assert second["finish_time"].min() > first["finish_time"].max()  # generated again
 
 
-def test_non_string_prompts_are_row_errors(tmp_path):
+def test_non_string_prompt_column_exits_2_before_the_model_loads(tmp_path):
+    """Every row would fail: the column's type is refused with the job (tests/test_hardening.py has the rest)."""
     pq.write_table(pa.table({"key": ["x", "y"], "prompt": [7, None], "source": [1, 2]}), tmp_path / "in.parquet")
     job = write_job(tmp_path / "job.yaml", base_job(tmp_path / "in.parquet", tmp_path / "out"))
     proc = run_cli(job, "--quiet", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    df = output_of(tmp_path / "out")
-    assert df["id"].to_list() == ["x", "y"] and df["finish_reason"].to_list() == ["error", "error"]
-    assert df["error"].to_list() == ["prompt must be a string, got int (column 'prompt')",
-                                     "prompt is null (column 'prompt')"]
-    assert json.loads((tmp_path / "out" / "_SUCCESS").read_text())["rows_error"] == 2
+    assert proc.returncode == 2
+    assert proc.stderr == (f"batchgen: error: input.prompt_column: column 'prompt' is int64 in "
+                           f"{tmp_path / 'in.parquet'}; it must hold strings\n")
+    assert not (tmp_path / "out").exists()
 
 
 # -- job-level problems: exit 2, one line naming key / file / column, before the model loads ------------------------

@@ -177,7 +177,9 @@ def test_runtime_failure_exits_1_and_keeps_what_finished(tmp_path, monkeypatch):
     class FailingAfterThree:
         def __init__(self, engine):
             self.engine = engine
-            self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+
+        def __getattr__(self, name):  # the engine's tokenizer, limits, ...
+            return getattr(self.engine, name)
 
         def generate(self, requests):
             for n, result in enumerate(self.engine.generate(requests)):

@@ -188,9 +188,11 @@ def test_bad_rows_become_errors_and_keep_their_place(tmp_path, tokenizer):
     assert [r.row for r in rows] == list(range(9))
 
 
-def test_non_string_prompt_and_bad_messages(tmp_path, tokenizer):
+def test_non_string_prompt_column_and_bad_messages(tmp_path, tokenizer):
     path = write_parquet(tmp_path / "n.parquet", {"prompt": [1, 2]})
-    assert all("prompt must be a string, got int" in r.error for r in rows_of(job(path), tokenizer))
+    with pytest.raises(JobConfigError, match=r"^input\.prompt_column: column 'prompt' is int64 in .*; it must hold "
+                                             r"strings$"):
+        inspect_input(job(path))  # every row would fail: refused with the job
     chat_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     path = write_parquet(tmp_path / "m.parquet", {"chat": pa.array(
         [None, [], [{"role": "user", "content": None}], [{"role": "user", "content": " "}]], chat_type)})
@@ -278,7 +280,7 @@ def test_part_writer_commits_atomically_with_ledger(tmp_path):
     assert out.names() == ["run-00000.parquet", "run-00001.parquet"]  # nothing uncommitted in the output
     assert list(out.done_rows(7)) == [1, 1, 1, 1, 1, 0, 0]
     assert out.next_seq() == 2 and writer.committed_rows == 5
-    assert out.part_fingerprints() == {json.dumps({"job": 1})}
+    assert {json.loads(s.metadata[sink_module.FINGERPRINT_KEY])["job"] for s in out.run_part_schemas().values()} == {1}
 
 
 def test_part_writer_commits_on_interval(tmp_path):
@@ -410,15 +412,24 @@ def test_finalize_crash_before_plan_leaves_run_parts(tmp_path, monkeypatch):
 
 
 def test_output_dir_classifies_files(tmp_path):
+    """A file is batchgen's when it carries batchgen's fingerprint (for _SUCCESS: its JSON summary), not by name."""
     out = OutputDir(tmp_path / "job")
     assert out.tmp == tmp_path / ".job.batchgen-tmp"
     out.path.mkdir()
-    for name in ["run-00003.parquet", "part-00000.parquet", "_SUCCESS", ".DS_Store", "notes.csv"]:
+    ours = sink_module.final_part_schema(SCHEMA, json.dumps({"job": 1}))
+    pq.write_table(ours.empty_table(), out.path / "part-00000.parquet")
+    pq.write_table(sink_module.run_part_schema(SCHEMA, json.dumps({"job": 1})).empty_table(),
+                   out.path / "run-00003.parquet")
+    (out.path / "_SUCCESS").write_text(json.dumps({"fingerprint": {"job": 1}}))
+    for name in [".DS_Store", "notes.csv"]:
         (out.path / name).write_text("")
     assert [p.name for p in out.run_parts()] == ["run-00003.parquet"]
     assert [p.name for p in out.final_parts()] == ["part-00000.parquet"]
     assert out.foreign_names() == ["notes.csv"]
+    (out.path / "notes.csv").unlink()
+    pq.write_table(SCHEMA.empty_table(), out.path / "part-00001.parquet")  # a name like ours, no fingerprint
+    assert out.foreign_names() == ["part-00001.parquet"]
     out.prepare_tmp()
     (out.tmp / "run-00004.parquet.inprogress").write_text("half")
     out.remove_outputs()
-    assert out.names() == [".DS_Store", "notes.csv"] and list(out.tmp.iterdir()) == []
+    assert out.names() == [".DS_Store", "part-00001.parquet"] and list(out.tmp.iterdir()) == []

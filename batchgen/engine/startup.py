@@ -34,14 +34,14 @@ class EngineSetup:
 
 def set_up(args: EngineArgs) -> EngineSetup:
     device = resolve_device(args.device)
-    dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = resolve_dtype(args.dtype, device)
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype, device)
     eos = eos_token_ids(model_dir, tokenizer)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
     num_blocks = num_kv_blocks(model, args, dtype, device)
-    max_model_len = min(args.max_model_len or model.max_model_len, model.max_model_len, num_blocks * args.block_size)
+    max_model_len = context_length(args, model.max_model_len, num_blocks)
     runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, eos, args.attention_backend)
     if device.type == "cuda" and not args.enforce_eager:
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device)
@@ -56,9 +56,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    return _DTYPES.get(name) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one token."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def blocks_for_budget(budget: int, bytes_per_token: int, block_size: int, source: str) -> int:
+    """How many KV blocks `budget` bytes hold; SettingError below 2 (`source` says where the budget came from)."""
+    num_blocks = budget // (bytes_per_token * block_size)
+    if num_blocks < 2:
+        raise SettingError("kv_cache_memory", f"kv_cache_memory {source} holds fewer than 2 blocks of "
+                                              f"{block_size} tokens ({bytes_per_token} bytes per token)")
+    return num_blocks
+
+
+def context_length(args: EngineArgs, model_max_len: int, num_blocks: int) -> int:
+    """The engine's max_model_len: the shortest of what is asked for, the model's context, what the cache holds."""
+    return min(args.max_model_len or model_max_len, model_max_len, num_blocks * args.block_size)
+
+
 def num_kv_blocks(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, device: torch.device) -> int:
     m = model
-    bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(dtype).bits // 8
+    bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
     if args.kv_cache_memory is None and device.type == "cuda":
         # what is free after the weights and a profiling step, times the utilisation
         budget = kv_cache_budget(m, args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
@@ -66,10 +89,7 @@ def num_kv_blocks(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, 
         source = f"from gpu_memory_utilization {args.gpu_memory_utilization} ({max(budget, 0)} bytes)"
     else:
         budget, source = parse_bytes(args.cpu_kv_cache_memory()), repr(args.cpu_kv_cache_memory())
-    num_blocks = budget // (bytes_per_token * args.block_size)
-    if num_blocks < 2:
-        raise SettingError("kv_cache_memory", f"kv_cache_memory {source} holds fewer than 2 blocks of "
-                                              f"{args.block_size} tokens ({bytes_per_token} bytes per token)")
+    num_blocks = blocks_for_budget(budget, bytes_per_token, args.block_size, source)
     logger.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dims x %s), %d blocks of %d = %d tokens,"
                 " %.2f GiB", bytes_per_token, m.num_layers, m.num_kv_heads, m.head_dim, dtype, num_blocks,
                 args.block_size, num_blocks * args.block_size, num_blocks * args.block_size * bytes_per_token / 2**30)

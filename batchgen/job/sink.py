@@ -7,14 +7,19 @@ and once it has finished:
     part-00000.parquet ...  the output, without `_row`
     _SUCCESS                the run summary (JSON)
 Anything not yet committed lives in the sibling directory `.<name>.batchgen-tmp/`, removed after success.
-The committed run parts are the ledger: their `_row` columns say which input rows are done."""
+The committed run parts are the ledger: their `_row` columns say which input rows are done.
+
+Every part carries the job's fingerprint in its Parquet metadata: that, not its name, makes a file batchgen's
+(only such files are ever deleted). Parts are written with page checksums, read back with them verified."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,6 +31,7 @@ import pyarrow.parquet as pq
 
 from batchgen.engine.request import Result
 
+from .parquet_read import first_line
 from .schema import COLUMNS, ID_COLUMN, RESULT_COLUMNS, ROW_COLUMN
 
 FINGERPRINT_KEY = b"batchgen.fingerprint"
@@ -36,7 +42,70 @@ FINAL_PART = re.compile(r"part-(\d+)\.parquet")
 
 
 def run_part_schema(schema: pa.Schema, fingerprint: str) -> pa.Schema:
-    return schema.append(pa.field(ROW_COLUMN, pa.int64())).with_metadata({FINGERPRINT_KEY: fingerprint.encode()})
+    return final_part_schema(schema, fingerprint).append(pa.field(ROW_COLUMN, pa.int64()))
+
+
+def final_part_schema(schema: pa.Schema, fingerprint: str) -> pa.Schema:
+    return schema.with_metadata({FINGERPRINT_KEY: fingerprint.encode()})
+
+
+class DamagedFileError(Exception):
+    """A file in the output that batchgen cannot read back (e.g. truncated by a failing disk)."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def _is_part_name(name: str) -> bool:
+    return bool(RUN_PART.fullmatch(name) or FINAL_PART.fullmatch(name))
+
+
+def read_part_schema(path: Path) -> pa.Schema:
+    """A part file's schema with its metadata, from the footer alone."""
+    with _reading(path, "not a readable Parquet file"):
+        return pq.read_schema(path)
+
+
+def read_part(path: Path, row_group: int | None = None) -> pa.Table:
+    """A part file (or one of its row groups), every page checked against its checksum."""
+    with _reading(path, "its data cannot be read"):
+        parquet = pq.ParquetFile(path, page_checksum_verification=True)
+        return parquet.read() if row_group is None else parquet.read_row_group(row_group)
+
+
+def run_part_rows(part: Path) -> np.ndarray:
+    """A run part's `_row` values. Every page is read (checksums verified) and each row group's `_row` statistics
+    checked against its values: the final rewrite finds row groups by those statistics, which no checksum covers."""
+    with _reading(part, "its data cannot be read"):
+        parquet = pq.ParquetFile(part, page_checksum_verification=True)
+        pieces = []
+        for i in range(parquet.num_row_groups):
+            rows = parquet.read_row_group(i).column(ROW_COLUMN).to_numpy()
+            stats = _row_statistics(parquet.metadata, i)
+            if rows.size and (stats is None or (stats.min, stats.max) != (rows.min(), rows.max())):
+                raise DamagedFileError(part, f"the statistics of its row group {i} do not match its rows")
+            pieces.append(rows)
+    return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+
+
+def _row_statistics(metadata: pq.FileMetaData, row_group: int) -> pq.Statistics | None:
+    # _row is a run part's last column and a flat one, so its leaf is the last (a nested keep column before it
+    # has several leaves: the Arrow field index is not the Parquet column index)
+    stats = metadata.row_group(row_group).column(metadata.num_columns - 1).statistics
+    return stats if stats is not None and stats.has_min_max else None
+
+
+@contextmanager
+def _reading(path: Path, what: str) -> Iterator[None]:
+    """Bad bytes as DamagedFileError: pyarrow raises ArrowException, UnicodeDecodeError (a name in the footer) or
+    an OSError without errno (a checksum mismatch), the disk EIO. An OS refusal (a permission) stays an OSError."""
+    try:
+        yield
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in (None, errno.EIO):
+            raise
+        raise DamagedFileError(path, f"{what} ({first_line(exc)})") from None
 
 
 class OutputDir:
@@ -57,32 +126,51 @@ class OutputDir:
         return [self.path / n for n in self.names() if FINAL_PART.fullmatch(n)]
 
     def foreign_names(self) -> list[str]:
-        """Files batchgen did not write (hidden files aside)."""
-        ours = lambda n: n == SUCCESS or RUN_PART.fullmatch(n) or FINAL_PART.fullmatch(n) or n.startswith(".")
-        return [n for n in self.names() if not ours(n)]
+        """Files batchgen did not write (hidden files aside). Its names are not enough: a part file is batchgen's
+        when it carries a fingerprint, _SUCCESS when it holds batchgen's summary. A part file whose footer cannot
+        be read is neither: DamagedFileError."""
+        names = [n for n in self.names() if not n.startswith(".")]
+        unknown = [n for n in names if n != SUCCESS and not _is_part_name(n)]
+        return unknown or [n for n in names if not self.carries_fingerprint(n)]
+
+    def carries_fingerprint(self, name: str) -> bool:
+        if name == SUCCESS:
+            return "fingerprint" in (self.success() or {})
+        return FINGERPRINT_KEY in (read_part_schema(self.path / name).metadata or {})
 
     def success(self) -> dict | None:
+        """The _SUCCESS summary; None without one, or when the file there is not batchgen's JSON."""
         path = self.path / SUCCESS
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        try:
+            summary = json.loads(path.read_text())
+        except ValueError:  # not JSON, or not UTF-8 (e.g. another tool's marker file)
+            return None
+        return summary if isinstance(summary, dict) else None
 
     def pending_plan(self) -> dict | None:
         """A finalization that was decided but maybe not fully applied (a crash during the final renames)."""
         path = self.staging / PLAN
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError:
+            raise DamagedFileError(path, "not valid JSON") from None
 
-    def part_fingerprints(self) -> set[str]:
-        found = set()
-        for part in self.run_parts():
-            metadata = pq.read_schema(part).metadata or {}
-            found.add(metadata.get(FINGERPRINT_KEY, b"").decode())
-        return found
+    def run_part_schemas(self) -> dict[Path, pa.Schema]:
+        return {part: read_part_schema(part) for part in self.run_parts()}
 
     def done_rows(self, total_rows: int) -> bytearray:
-        """The ledger: done[row] is 1 for every input row already committed."""
+        """The ledger: done[row] is 1 for every input row already committed. Every run part is read whole, so that
+        a damaged one is found now (DamagedFileError) rather than by the final rewrite."""
         done = bytearray(total_rows)
         marks = np.frombuffer(done, dtype=np.uint8)
         for part in self.run_parts():
-            rows = pq.read_table(part, columns=[ROW_COLUMN]).column(0).to_numpy()
+            rows = run_part_rows(part)
+            if rows.size and (rows.min() < 0 or rows.max() >= total_rows):
+                raise DamagedFileError(part, f"its {ROW_COLUMN} column names rows outside the input's {total_rows}")
             marks[rows] = 1
         return done
 
@@ -99,7 +187,7 @@ class OutputDir:
     def remove_outputs(self) -> None:
         """--overwrite: remove everything batchgen wrote (never foreign files)."""
         for name in self.names():
-            if name == SUCCESS or RUN_PART.fullmatch(name) or FINAL_PART.fullmatch(name):
+            if (name == SUCCESS or _is_part_name(name)) and self.carries_fingerprint(name):
                 (self.path / name).unlink()
         if self.staging.exists():
             shutil.rmtree(self.staging)
@@ -154,7 +242,7 @@ def atomic_write(table: pa.Table, out: OutputDir, name: str, row_group_size: int
     """Write under the temp directory, fsync, then rename to `directory/name` (default: the output path)."""
     target = (directory or out.path) / name
     scratch = out.tmp / f"{name}.inprogress"
-    pq.write_table(table, scratch, row_group_size=row_group_size)
+    pq.write_table(table, scratch, row_group_size=row_group_size, write_page_checksum=True)
     _fsync(scratch)
     os.replace(scratch, target)
     _fsync(target.parent)
@@ -206,15 +294,15 @@ class RowTotals:
 
 def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
              summary: Callable[[RowTotals], dict]) -> dict:
-    """Rewrite the run parts as the final parts (input or completion order, without `_row`) and write
-    _SUCCESS. Crash-safe: the final parts are built in the temp directory while the run parts stay; then a plan
+    """Rewrite the run parts as the final parts (input or completion order, without `_row`; `schema` is the
+    final parts', fingerprint included) and write _SUCCESS. Crash-safe: the final parts are built in the temp directory while the run parts stay; then a plan
     naming what to remove and what to move in is committed, and applied (again, on resume, if interrupted)."""
     if out.staging.exists():
         shutil.rmtree(out.staging)
     out.staging.mkdir(parents=True)
     run_parts = out.run_parts()
     tables = ordered_tables(run_parts, total_rows, rows_per_part) if order == "input" \
-        else (pq.read_table(p) for p in run_parts)
+        else (read_part(p) for p in run_parts)
     totals, names = RowTotals(), []
     for table in tables:
         table = table.drop_columns([ROW_COLUMN]).cast(schema)
@@ -254,10 +342,9 @@ def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -
     groups = []  # (min row, max row, part, row group index)
     for part in run_parts:
         metadata = pq.ParquetFile(part).metadata
-        column = metadata.schema.to_arrow_schema().get_field_index(ROW_COLUMN)
         for i in range(metadata.num_row_groups):
             if metadata.row_group(i).num_rows:
-                stats = metadata.row_group(i).column(column).statistics
+                stats = _row_statistics(metadata, i)
                 groups.append((stats.min, stats.max, part, i))
     groups.sort(key=lambda g: g[0])
     loaded = 0
@@ -266,7 +353,7 @@ def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -
         stop = start + rows_per_part
         while loaded < len(groups) and groups[loaded][0] < stop:
             high, part, i = groups[loaded][1:]
-            table = pq.ParquetFile(part).read_row_group(i)
+            table = read_part(part, row_group=i)
             active.append((high, table, table[ROW_COLUMN].to_numpy()))
             loaded += 1
         pieces = []

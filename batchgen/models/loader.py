@@ -7,17 +7,19 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from .llama import LlamaForCausalLM
-from .registry import ModelError, build_model, model_variant
+from .registry import ModelError, UnsupportedModelError, build_model, model_variant
 
 logger = logging.getLogger("batchgen")
 
@@ -30,8 +32,11 @@ _CONVERSION_FORMAT = 1
 # Checkpoint entries that are derived state, not weights: older Llama checkpoints saved the RoPE frequencies.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+# The smallest encodings of a GGUF metadata entry and tensor info, to tell a header's counts from random bytes.
+_GGUF_MIN_ENTRY_BYTES, _GGUF_MIN_TENSOR_INFO_BYTES = 13, 24
+
 __all__ = ["ModelError", "ModelNotFoundError", "ModelWeightsError", "cache_root", "eos_token_ids", "load_model",
-           "load_tokenizer", "resolve_model"]
+           "load_tokenizer", "locate_model", "resolve_model"]
 
 
 class ModelNotFoundError(ModelError):
@@ -49,18 +54,70 @@ def cache_root() -> Path:
 def resolve_model(ref: str | os.PathLike) -> Path:
     """A local HF-style directory (config.json, *.safetensors, tokenizer) for `ref`: "default", a directory or
     a .gguf file (converted once, then cached)."""
+    path = find_model(ref)
+    return path if path.is_dir() else _converted_gguf(path)
+
+
+def locate_model(ref: str | os.PathLike) -> Path:
+    """find_model, then cheap checks of what is there (nothing loaded or converted): an HF directory's config.json
+    names a supported architecture and *.safetensors weights are there; a .gguf file has a GGUF header."""
+    path = find_model(ref)
+    if path.is_dir():
+        check_model_dir(path)
+    elif str(ref) != "default":
+        check_gguf_header(path)
+    return path
+
+
+def find_model(ref: str | os.PathLike) -> Path:
+    """The default model's .gguf file, or the directory with a config.json or the .gguf file `ref` names."""
     if str(ref) == "default":
-        return _converted_gguf(_default_gguf())
+        return _default_gguf()
     path = Path(ref).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"model directory {path} has no config.json")
+            raise ModelNotFoundError(f"directory {path} has no config.json (expected an HF model directory)")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf(path)
+        return path
     if path.is_file():
-        raise ModelNotFoundError(f"model file {path} is not a .gguf file (give a .gguf or an HF model directory)")
-    raise ModelNotFoundError(f"model {str(ref)!r} not found: no file or directory at {path.resolve()}")
+        raise ModelNotFoundError(f"{ref} is not a .gguf file (give a .gguf or an HF model directory)")
+    raise ModelNotFoundError(f"{str(ref)!r} not found (expected \"default\", an HF model directory or a .gguf file)")
+
+
+def check_model_dir(path: Path) -> None:
+    """The architecture first (a GPT-2 directory is unsupported, whatever else it lacks), then the weights."""
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise ModelError(f"{config_file} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{config_file} is not a JSON object")
+    model_variant(SimpleNamespace(**config))
+    if not any(path.glob("*.safetensors")):
+        raise ModelNotFoundError(f"no *.safetensors weights in {path}")
+
+
+def check_gguf_header(path: Path) -> None:
+    """Magic bytes, version and counts: a file that is not GGUF is refused here, not deep inside the conversion."""
+    invalid = f"{path} is not a valid GGUF file"
+    with open(path, "rb") as file:
+        header = file.read(24)
+    if header[:4] != b"GGUF":
+        raise ModelError(f"{invalid} (it does not start with the GGUF magic bytes)")
+    if len(header) < 24:
+        raise ModelError(f"{invalid} (its header is cut short)")
+    for order in "<>":  # little-endian, or a big-endian file
+        version, tensors, entries = struct.unpack(f"{order}IQQ", header[4:])
+        if version in (2, 3):
+            break
+    else:
+        raise ModelError(f"{invalid} (unknown GGUF version {struct.unpack('<I', header[4:8])[0]})")
+    size = path.stat().st_size
+    if tensors * _GGUF_MIN_TENSOR_INFO_BYTES + entries * _GGUF_MIN_ENTRY_BYTES > size:
+        raise ModelError(f"{invalid} (its header counts {tensors} tensors and {entries} metadata entries, more than "
+                         f"its {size} bytes can hold)")
 
 
 def _default_gguf() -> Path:
@@ -118,8 +175,15 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:
         pass
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except MemoryError:
+        raise
+    except Exception as exc:  # transformers and gguf raise many types for a file they cannot read
+        text = str(exc).strip().splitlines()
+        raise ModelError(f"{gguf} is not a GGUF file transformers can convert ({type(exc).__name__}"
+                         f"{': ' + text[0] if text else ''})") from exc
 
     state = model.state_dict()
     embed = state.get("model.embed_tokens.weight")
@@ -150,6 +214,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str) 
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = AutoConfig.from_pretrained(model_dir)
+    variant = model_variant(config)  # before the weights: an unsupported architecture is what to report
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
@@ -159,11 +224,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str) 
             shard = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             for name in shard.keys():
                 shard_of[name] = shard
-        variant = model_variant(config)
         if "lm_head.weight" not in shard_of:
             variant = replace(variant, tie_word_embeddings=True)
-        with torch.device("meta"):
-            model = build_model(config, variant)
+        model = _build_on_meta(config, variant, model_dir)
         sources = checkpoint_sources(model)
         _check_names(sources, shard_of, variant.tie_word_embeddings, model_dir)
         for param_name, names in sources.items():
@@ -172,6 +235,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str) 
             _set_parameter(model, param_name, tensor.to(device=device, dtype=dtype))
     model.tie_weights()
     return model.to(device).eval()
+
+
+def _build_on_meta(config, variant, model_dir: Path) -> LlamaForCausalLM:
+    try:
+        with torch.device("meta"):
+            return build_model(config, variant)
+    except ValueError as exc:  # a setting our model does not implement (e.g. a RoPE type)
+        raise UnsupportedModelError(f"{model_dir}: {exc}") from None
 
 
 def checkpoint_sources(model: LlamaForCausalLM) -> dict[str, list[str]]:

@@ -1,0 +1,158 @@
+"""The job's input files: find them and check them against the job before the model loads: the columns it names,
+their types, the template's format specs, and every value of those columns decoded once (a corrupt file is a job
+error, not a failure hours into the run)."""
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from .config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
+from .parquet_read import InputReadError, first_line, open_parquet, scan_file
+
+
+@dataclass(frozen=True)
+class InputFiles:
+    """The job's input as found on disk, checked against the job before anything is read."""
+
+    files: tuple[Path, ...]
+    row_counts: tuple[int, ...]
+    column_types: dict[str, pa.DataType]  # every column of any file (types agree where the job reads them)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.row_counts)
+
+
+# -- finding and checking the input -------------------------------------------------------------------------------
+
+def find_input_files(path: str) -> list[Path]:
+    """A file, a directory (its *.parquet files, recursively, skipping hidden and _-prefixed names as pyarrow
+    does) or a glob; sorted by path."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        return [root]
+    if root.is_dir():
+        files = [p for p in root.rglob("*.parquet") if p.is_file() and not _hidden(p.relative_to(root))]
+    elif glob.has_magic(path):
+        files = [Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file()]
+    else:
+        raise JobConfigError(f"input.path: no such file or directory: {path}")
+    if not files:
+        raise JobConfigError(f"input.path: no Parquet files found at {path}")
+    return sorted(files, key=str)
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith((".", "_")) for part in relative.parts)
+
+
+def inspect_input(config: JobConfig) -> InputFiles:
+    """Open every file's footer and check that the columns the job names exist, with one type across files and
+    one the template's format specs suit; then decode the job's columns once (scan_input)."""
+    files = find_input_files(config.input.path)
+    row_counts, types = check_footers(config, files)
+    if config.input.template is not None:
+        check_template_specs(config.input.template, types)
+    inputs = InputFiles(tuple(files), tuple(row_counts), types)
+    scan_input(config, inputs)
+    return inputs
+
+
+def check_footers(config: JobConfig, files: list[Path]) -> tuple[list[int], dict[str, pa.DataType]]:
+    """Each file's row count, and the type of every column (checked to agree across files where the job reads it)."""
+    row_counts, types, seen_in = [], {}, {}
+    read = {column for _, column in required_columns(config)} | set(ROW_SAMPLING_KEYS)
+    for path in files:
+        try:
+            meta = open_parquet(path)
+            schema = meta.schema_arrow
+        except Exception as exc:  # pyarrow raises several types for a bad file
+            raise JobConfigError(f"input.path: {path} is not a readable Parquet file ({first_line(exc)})") from None
+        row_counts.append(meta.metadata.num_rows)
+        for key, column in required_columns(config):
+            if column not in schema.names:
+                raise JobConfigError(f"{key}: column {column!r} not found in {path} "
+                                     f"(columns: {', '.join(schema.names)})")
+        check_prompt_column_types(config, schema, path)
+        for fld in schema:
+            known = types.get(fld.name)
+            if known is None or pa.types.is_null(known):
+                types[fld.name], seen_in[fld.name] = fld.type, path
+            elif not pa.types.is_null(fld.type) and fld.type != known and fld.name in read:
+                raise JobConfigError(f"input.path: column {fld.name!r} is {known} in {seen_in[fld.name]} "
+                                     f"but {fld.type} in {path}")
+    return row_counts, types
+
+
+def check_prompt_column_types(config: JobConfig, schema: pa.Schema, path: Path) -> None:
+    """The columns a prompt is made of must hold text (a messages column: a list of {role, content} structs);
+    any other type would fail every row, after the model loaded. An all-null column is let through: its rows
+    are row errors."""
+    cfg = config.input
+    checks = [("input.system_column", cfg.system_column, _is_text, "strings")]
+    if cfg.messages_column:
+        checks.append(("input.messages_column", cfg.messages_column, _is_messages,
+                       "a list of structs with string fields role and content"))
+    elif cfg.template is None:
+        checks.append(("input.prompt_column", cfg.prompt_column, _is_text, "strings"))
+    for key, column, suits, expected in checks:
+        if column and not suits(schema.field(column).type):
+            raise JobConfigError(f"{key}: column {column!r} is {schema.field(column).type} in {path}; "
+                                 f"it must hold {expected}")
+
+
+def _is_text(arrow_type: pa.DataType) -> bool:
+    if pa.types.is_dictionary(arrow_type):
+        return _is_text(arrow_type.value_type)
+    return any(is_type(arrow_type) for is_type in (pa.types.is_string, pa.types.is_large_string,
+                                                   pa.types.is_string_view, pa.types.is_null))
+
+
+def _is_messages(arrow_type: pa.DataType) -> bool:
+    if pa.types.is_null(arrow_type):
+        return True
+    if not (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+            or pa.types.is_list_view(arrow_type) or pa.types.is_large_list_view(arrow_type)):
+        return False
+    message = arrow_type.value_type
+    return pa.types.is_struct(message) and all(
+        message.get_field_index(name) >= 0 and _is_text(message.field(name).type) for name in ("role", "content"))
+
+
+def scan_input(config: JobConfig, inputs: InputFiles) -> None:
+    """Decode the columns the job reads, one record batch at a time, so that a corrupt file is a job error now
+    rather than a failure in the middle of the run (0.3 s for a million rows of short prompts, 69 MB)."""
+    columns = read_columns(config, inputs.column_types)
+    for path, count in zip(inputs.files, inputs.row_counts):
+        try:
+            scan_file(path, columns, config.input.read_batch_rows, count)
+        except InputReadError as exc:
+            raise JobConfigError(str(exc)) from None
+
+
+def required_columns(config: JobConfig) -> list[tuple[str, str]]:
+    """(job key, column) for every column the job needs in every input file."""
+    cfg = config.input
+    needed = []
+    if cfg.messages_column:
+        needed.append(("input.messages_column", cfg.messages_column))
+    elif cfg.template is not None:
+        needed += [("input.template", column) for column in template_columns(cfg.template)]
+    else:
+        needed.append(("input.prompt_column", cfg.prompt_column))
+    if cfg.system_column:
+        needed.append(("input.system_column", cfg.system_column))
+    if cfg.id_column:
+        needed.append(("input.id_column", cfg.id_column))
+    needed += [("output.keep_columns", column) for column in config.output.keep_columns]
+    return needed
+
+
+def read_columns(config: JobConfig, column_types: dict[str, pa.DataType]) -> list[str]:
+    """Every column the source reads: the required ones and any per-row sampling overrides."""
+    columns = [column for _, column in required_columns(config)]
+    columns += [key for key in ROW_SAMPLING_KEYS if key in column_types]
+    return list(dict.fromkeys(columns))

@@ -1,0 +1,185 @@
+"""The memory arithmetic of `batchgen plan`: a run's peak memory, from the safetensors headers, the model's shape,
+the engine settings and the sampled prompts, without loading a weight.
+
+On the CPU the estimate is of peak RSS, the figure a run writes as `peak_memory_bytes`:
+  baseline     this process's RSS once python, torch, transformers, pyarrow, the tokenizer and the model's
+               (meta-device) modules are loaded: a run holds the same before its weights;
+  weights      every parameter at the run's dtype, plus the checkpoint pages that stay resident beside copies;
+  KV pool      allocated zeroed, so fully resident;
+  activations  the largest step (max_num_batched_tokens tokens), the longest prompt's attention scores, logits;
+  sort window  the token ids of the rows sorted together.
+On CUDA it is of device memory (weights, KV pool, activations), against the device's free memory."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .keys import JobConfigError
+
+_SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+# Measured on this project's machine (2-core EPYC, torch 2.13 CPU, the default model, fp32): the peak RSS growth of
+# gpu_memory.run_dummy_step over a 16-token step was 86.5, 181.7 and 379.8 MiB for 2,048 / 4,096 / 8,192 tokens
+# over 32 / 32 / 256 sequences: 1.5x the MLP's live tensors (gate/up [T, 2I], silu(gate) and the product [T, I],
+# two [T, H] residuals; the allocator keeps freed chunks of other sizes), plus the logits. One whole prompt of
+# 512 / 1,024 / 2,048 tokens grew it by a further 2.5x one fp32 [heads, q, k] score tensor (scores,
+# probabilities, mask) on the torch attention path.
+MLP_ALLOCATOR_FACTOR = 1.5
+ATTENTION_SCORE_COPIES = 2.5
+# Bytes a tokenized row holds per prompt token while it waits in the sort window (a list of Python ints).
+WINDOW_BYTES_PER_TOKEN = 40
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int
+
+    @classmethod
+    def of(cls, model) -> ModelShape:
+        """From our (meta-device) model and its config."""
+        config = model.config
+        return cls(model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim,
+                   config.hidden_size, config.intermediate_size, config.vocab_size, model.max_model_len)
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    files: int
+    parameters: int
+    checkpoint_dtypes: tuple[str, ...]
+    loaded: int  # the parameters at the run's dtype
+    mapped: int  # checkpoint pages kept resident beside copies of them (CPU)
+
+
+def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool) -> tuple[ModelShape, WeightBytes]:
+    """The model's shape (our modules, built on the meta device: no memory) and its weights' bytes (headers)."""
+    from transformers import AutoConfig
+
+    from batchgen.models.loader import checkpoint_sources
+    from batchgen.models.registry import build_model, model_variant
+
+    names = {name for file in sorted(Path(model_dir).glob("*.safetensors"))
+             for name in read_safetensors_header(file)}
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        variant = model_variant(config)
+        if "lm_head.weight" not in names:  # as the loader does: no lm_head in the checkpoint means tied
+            variant = replace(variant, tie_word_embeddings=True)
+        with torch.device("meta"):
+            model = build_model(config, variant)
+    except (ValueError, OSError) as exc:  # unsupported architecture, RoPE type or activation; unreadable config
+        raise JobConfigError(f"model: {exc}") from None
+    used = {name: len(sources) > 1 for sources in checkpoint_sources(model).values() for name in sources}
+    return ModelShape.of(model), weight_bytes(model_dir, used, dtype, on_cpu)
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a .safetensors file (name -> dtype, shape, data_offsets); no tensor data is read."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < size <= min(os.fstat(f.fileno()).st_size - 8, 1 << 28):
+            raise JobConfigError(f"model: {path} is not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError:
+            raise JobConfigError(f"model: {path} is not a safetensors file (its header is not JSON)") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def weight_bytes(model_dir: Path, used: dict[str, bool], dtype: torch.dtype, on_cpu: bool) -> WeightBytes:
+    """`used`: each checkpoint tensor the loader reads -> whether it is concatenated with others (q/k/v, gate/up).
+
+    On the CPU the loader keeps a tensor whose dtype is already the run's as a view of the memory-mapped file (its
+    pages count once, when the first step touches them), and copies the others (fused or converted). A copied
+    tensor's pages stay resident beside the copy as long as the file stays mapped: while any view of it lives."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise JobConfigError(f"model: no *.safetensors weights in {model_dir}")
+    run_name, run_bytes = _SAFETENSORS_NAMES.get(dtype), torch.finfo(dtype).bits // 8
+    parameters = loaded = mapped = 0
+    dtypes: set[str] = set()
+    for file in files:
+        copied, viewed = 0, False
+        for name, entry in read_safetensors_header(file).items():
+            if name not in used:
+                continue
+            numel = math.prod(entry["shape"])
+            parameters += numel
+            loaded += numel * run_bytes
+            dtypes.add(entry["dtype"])
+            if used[name] or entry["dtype"] != run_name:
+                copied += entry["data_offsets"][1] - entry["data_offsets"][0]
+            else:
+                viewed = True
+        if on_cpu and viewed:
+            mapped += copied
+    return WeightBytes(len(files), parameters, tuple(sorted(dtypes)), loaded, mapped)
+
+
+def activation_bytes(shape: ModelShape, dtype: torch.dtype, step_tokens: int, step_seqs: int,
+                     longest_prompt: int, on_cpu: bool) -> dict[str, int]:
+    """The largest step's transient memory, by part: a step of `step_tokens` tokens over `step_seqs` sequences,
+    and the longest prompt prefilled in chunks of at most `step_tokens` (the CPU attention's score tensors)."""
+    size = torch.finfo(dtype).bits // 8
+    mlp = step_tokens * (4 * shape.intermediate_size + 2 * shape.hidden_size) * size * MLP_ALLOCATOR_FACTOR
+    parts = {"step": int(mlp), "logits": step_seqs * shape.vocab_size * 4}  # logits are fp32
+    if on_cpu:
+        query = min(longest_prompt, step_tokens)
+        parts["attention"] = int(ATTENTION_SCORE_COPIES * shape.num_heads * query * longest_prompt * size)
+    return parts
+
+
+def process_rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes a run could use now, and where the figure comes from. On the CPU: psutil's available memory (capped
+    by a cgroup limit) plus this process's RSS, which it gives back when it exits."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free, f"free on {torch.cuda.get_device_name(device)} ({_gib(total)} in all)"
+    import psutil
+    available, what = psutil.virtual_memory().available, "available (psutil)"
+    limit = _cgroup_room()
+    if limit is not None and limit < available:
+        available, what = limit, "left under this cgroup's memory limit"
+    return available + process_rss(), f"{what} + this process's {_mib(process_rss())}"
+
+
+def _cgroup_room() -> int | None:
+    """The memory limit minus the usage of this process's cgroup (v2 or v1), or None without a limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = Path("/sys/fs/cgroup", limit_file).read_text().strip()
+            usage = int(Path("/sys/fs/cgroup", usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            return max(int(limit) - usage, 0)
+    return None
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"

@@ -1,0 +1,286 @@
+"""`batchgen plan`: a job's whole pre-flight without loading the model's weights. The checks are run's own
+(runner.py's pieces, without the output lock); the tokenizer loads, the model is built on the meta device, and a
+sample of rows goes through the job's source (prompt building, tokenizing, sorting) to measure the prompts.
+Nothing is written: the output directory is only read."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchgen.engine.block_pool import hash_block
+from batchgen.engine.engine_args import parse_bytes
+from batchgen.engine.errors import SettingError
+
+from . import memory
+from .config import JobConfig, JobConfigError, setting_error
+from .inputs import InputFiles
+from .resume import check_output, output_errors
+from .runner import PreparedJob, check_chat_template, inspect_job
+from .sink import OutputDir
+from .source import SourceRow, read_source
+from .throughput import TimeEstimate, estimate_time
+
+# Over this share of the available memory the plan warns; over all of it, it refuses (exit 2).
+MEMORY_WARN_SHARE = 0.8
+
+
+@dataclass
+class TokenStats:
+    """The sampled rows: the first `sampled` of the input, built and sorted as the run would."""
+
+    sampled: int
+    errors: list[SourceRow]
+    prompt: list[int]  # prompt tokens of the rows that would be generated, sorted
+    with_output: list[int]  # prompt + max_tokens of those rows, sorted
+    output_bound: int  # sum of their max_tokens
+    shared: int  # prompt tokens in full blocks an earlier row shares (what the prefix cache can serve)
+    examples: list[tuple[SourceRow, str]]  # the first rows in input order, with their prompt text
+
+
+@dataclass
+class Plan:
+    config: JobConfig
+    inputs: InputFiles
+    model_ref: str
+    model_dir: Path
+    device: Any  # torch.device
+    dtype: Any  # torch.dtype
+    shape: memory.ModelShape
+    weights: memory.WeightBytes
+    kv_bytes_per_token: int
+    kv_budget_source: str
+    num_blocks: int
+    context: int
+    tokens: TokenStats
+    memory_parts: dict[str, int]  # name -> bytes, in the order printed
+    step_tokens: int  # the largest step's tokens
+    activation_parts: dict[str, int]
+    available: int
+    available_source: str
+    output_state: str
+    rows_left: int
+    time: TimeEstimate
+    cost_per_hour: float | None
+    problems: list[str] = field(default_factory=list)  # job-level errors: run would refuse (exit 2)
+    warnings: list[str] = field(default_factory=list)
+    converted_now: bool = False  # the GGUF conversion ran in this process (the baseline is overstated)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.memory_parts.values())
+
+
+def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 1000, cost_per_hour: float | None = None,
+              archive: Path = Path("docs/performance-archive.jsonl")) -> Plan:
+    """Every figure of the plan. Raises JobConfigError for a problem that leaves nothing to plan; the others (the
+    output refused, memory short) are in `problems`."""
+    from batchgen.engine.startup import context_length, resolve_device, resolve_dtype
+
+    job = inspect_job(config)  # prepare_job's checks, without taking the output (its lock, --overwrite's removal)
+    inputs, model_ref = job.inputs, job.fingerprint["model"]
+    output_state, rows_left, problems = output_status(job, overwrite)
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_dir, tokenizer, converted_now = load_model_files(config)
+    shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu")
+    baseline = memory.process_rss()  # what a run holds before its weights: see memory.py
+    per_token, num_blocks, budget_source = size_kv_pool(config, shape, weights, dtype, device)
+    context = context_length(config.engine, shape.max_model_len, num_blocks)
+    tokens = sample_tokens(config, inputs, tokenizer, context, sample_rows)
+    computed = sum(tokens.prompt) - (tokens.shared if config.engine.enable_prefix_caching else 0)
+
+    step_tokens, activations = largest_step(config, shape, dtype, device, tokens, computed, inputs.total_rows,
+                                            context)
+    parts = {"weights": weights.loaded, "mapped": weights.mapped,
+             "kv": num_blocks * config.engine.block_size * per_token, "activations": sum(activations.values())}
+    if device.type == "cpu":
+        parts["window"] = window_bytes(config, tokens, inputs.total_rows)
+        parts["baseline"] = baseline
+    available, available_source = memory.available_memory(device)
+    problem, warning = memory_verdict(sum(parts.values()), available)
+    problems += [problem] if problem else []
+
+    scale = inputs.total_rows / tokens.sampled if tokens.sampled else 0.0  # the sample's figures for the whole job
+    time = estimate_time(archive, model_ref, machine(device), computed * scale, tokens.output_bound * scale)
+    return Plan(config, inputs, model_ref, model_dir, device, dtype, shape, weights, per_token, budget_source,
+                num_blocks, context, tokens, parts, step_tokens, activations, available, available_source,
+                output_state, rows_left, time, cost_per_hour, problems, [warning] if warning else [], converted_now)
+
+
+def memory_verdict(peak: int, available: int) -> tuple[str | None, str | None]:
+    """(the job-level error, the warning) for an estimated peak against the memory available."""
+    said = f"the estimated peak ({peak / 2**20:,.0f} MiB) is {peak / available:.0%} of the " \
+           f"{available / 2**20:,.0f} MiB available"
+    if peak > available:
+        return f"memory: {said}; lower engine.kv_cache_memory or engine.max_num_batched_tokens", None
+    if peak > MEMORY_WARN_SHARE * available:
+        return None, f"memory: {said}: little room for error or for other processes"
+    return None, None
+
+
+def size_kv_pool(config: JobConfig, shape: memory.ModelShape, weights: memory.WeightBytes, dtype,
+                 device) -> tuple[int, int, str]:
+    """(KV bytes per token, blocks, where the budget comes from), by the engine's arithmetic. On CUDA without a
+    kv_cache_memory the engine profiles a step; the plan uses its activation estimate instead."""
+    from batchgen.engine.startup import blocks_for_budget, kv_bytes_per_token
+
+    args = config.engine
+    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
+    if args.kv_cache_memory is None and device.type == "cuda":
+        step = memory.activation_bytes(shape, dtype, args.max_num_batched_tokens,
+                                       min(args.max_num_seqs, args.max_num_batched_tokens), 0, on_cpu=False)
+        free, _ = memory.available_memory(device)
+        budget = int((free - weights.loaded) * args.gpu_memory_utilization) - sum(step.values())
+        source = f"from gpu_memory_utilization {args.gpu_memory_utilization} (estimated)"
+    else:
+        budget, source = parse_bytes(args.cpu_kv_cache_memory()), f"{args.cpu_kv_cache_memory()!r}"
+    try:
+        return per_token, blocks_for_budget(budget, per_token, args.block_size, source), source
+    except SettingError as exc:
+        raise setting_error(exc, "engine") from None
+
+
+def largest_step(config: JobConfig, shape: memory.ModelShape, dtype, device, tokens: TokenStats, computed: int,
+                 total_rows: int, context: int) -> tuple[int, dict[str, int]]:
+    """The largest step's tokens and its activations. No step holds more than max_num_seqs whole prompts, nor, when
+    every row was sampled, more than all of the job's prompt tokens to compute and a first output token per row."""
+    args = config.engine
+    step_tokens = min(args.max_num_batched_tokens, args.max_num_seqs * context)
+    if tokens.sampled == total_rows:
+        step_tokens = min(step_tokens, computed + len(tokens.prompt))
+    longest = tokens.prompt[-1] if tokens.prompt else 0
+    step_seqs = min(args.max_num_seqs, step_tokens)
+    return step_tokens, memory.activation_bytes(shape, dtype, step_tokens, step_seqs, longest, device.type == "cpu")
+
+
+def window_bytes(config: JobConfig, tokens: TokenStats, total_rows: int) -> int:
+    """The token ids of the rows the source holds at once: a sort window, or a record batch without sorting."""
+    cfg = config.input
+    rows = min(cfg.sort_window if cfg.sort != "none" else cfg.read_batch_rows, total_rows)
+    mean_prompt = sum(tokens.prompt) / len(tokens.prompt) if tokens.prompt else 0
+    return int(rows * mean_prompt * memory.WINDOW_BYTES_PER_TOKEN)
+
+
+def load_model_files(config: JobConfig):
+    """The model's directory (a GGUF is converted once, into the cache) and its tokenizer; no weights."""
+    from batchgen.models import ModelError
+    from batchgen.models.loader import load_tokenizer, resolve_model
+
+    before = memory.process_rss()
+    try:
+        model_dir = resolve_model(config.model)
+    except ModelError as exc:
+        raise JobConfigError(f"model: {exc}") from None
+    # A conversion loads the whole model in this process: the baseline measured below then overstates a run's.
+    converted_now = memory.process_rss() - before > 256 * 2**20
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None:
+        raise JobConfigError(f"model: {model_dir} has no tokenizer; a job needs one to build its prompts")
+    check_chat_template(config, tokenizer)
+    return model_dir, tokenizer, converted_now
+
+
+def sample_tokens(config: JobConfig, inputs: InputFiles, tokenizer, context: int, sample_rows: int) -> TokenStats:
+    """The first `sample_rows` rows through the job's own source: prompts built, tokenized and sorted."""
+    total = inputs.total_rows
+    sampled = min(sample_rows, total)
+    skip = bytearray(total)  # the resume ledger's form: rows marked done are not read
+    skip[sampled:] = b"\x01" * (total - sampled)
+    rows = list(read_source(config, inputs, tokenizer, context, skip))
+    ok = [row for row in rows if row.error is None]
+    firsts = sorted(ok, key=lambda row: row.row)[:3]
+    examples = [(row, tokenizer.decode(row.token_ids, skip_special_tokens=False)) for row in firsts]
+    return TokenStats(
+        sampled=sampled, errors=sorted((row for row in rows if row.error is not None), key=lambda row: row.row),
+        prompt=sorted(len(row.token_ids) for row in ok),
+        with_output=sorted(len(row.token_ids) + row.sampling.max_tokens for row in ok),
+        output_bound=sum(row.sampling.max_tokens for row in ok),
+        shared=shared_prefix_tokens([row.token_ids for row in ok], config.engine.block_size),
+        examples=examples)
+
+
+def shared_prefix_tokens(prompts: list[list[int]], block_size: int) -> int:
+    """Prompt tokens the prefix cache can serve when `prompts` arrive in this order and nothing is evicted: the
+    leading full blocks each prompt shares with an earlier one (the engine's rule: a hash chain over full blocks,
+    the last token always computed)."""
+    seen: set[bytes] = set()
+    shared = 0
+    for ids in prompts:
+        parent, hitting = None, True
+        for i in range(len(ids) // block_size):
+            block_hash = hash_block(parent, ids[i * block_size:(i + 1) * block_size])
+            hitting = hitting and block_hash in seen and (i + 1) * block_size <= len(ids) - 1
+            shared += block_size if hitting else 0
+            seen.add(block_hash)
+            parent = block_hash
+    return shared
+
+
+def output_status(job: PreparedJob, overwrite: bool) -> tuple[str, int, list[str]]:
+    """What the output directory holds for this job, read only: (description, rows a run would generate, the
+    job-level errors run would stop with)."""
+    out, total = job.out, job.inputs.total_rows
+    try:
+        with output_errors(out):
+            complete = check_output(out, job.fingerprint, overwrite, job.run_schema)
+            done = out.done_rows(total).count(1) if out.run_parts() and not overwrite else 0
+    except JobConfigError as exc:
+        return f"refused: {exc}", total, [str(exc)]
+    holder = lock_holder(out)
+    if holder is not None:
+        message = f"output.path: another batchgen run is writing {out.path} (pid {holder})"
+        return f"refused: {message}", total, [message]
+    if overwrite and (out.names() or out.pending_plan() is not None):
+        return "--overwrite: run discards what this output holds and starts over", total, []
+    if complete is not None:
+        return f"complete ({complete.get('rows', 0):,} rows, _SUCCESS): run does nothing (--overwrite runs it " \
+               f"again)", 0, []
+    if out.pending_plan() is not None:
+        return "every row committed, final parts half moved: run finishes that without loading the model", 0, []
+    if done:
+        return f"{done:,} of {total:,} rows committed: run resumes with the other {total - done:,}", total - done, []
+    return "nothing yet: run starts with row 0", total, []
+
+
+def lock_holder(out: OutputDir) -> int | None:
+    """The pid holding a running batchgen's lock on this output, from /proc/locks (Linux) without touching the
+    lock: taking it, even for an instant, could make a run that starts then fail."""
+    lock = out.tmp / "lock"  # runner.lock_output's file
+    try:
+        stat = lock.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    for line in table.splitlines():
+        fields = line.split()
+        if "FLOCK" in fields and device in fields:
+            return int(fields[fields.index(device) - 1])
+    return None
+
+
+def machine(device) -> dict[str, Any]:
+    """This machine as the bench archive describes one: CPU model name and core count."""
+    if device.type != "cpu":
+        return {"type": device.type}
+    from batchgen.bench.harness import machine_info
+    info = machine_info()
+    return {"type": "cpu", "cpu": info["cpu"], "cores": info["cores"]}
+
+
+def percentile(sorted_values: list[int], q: float) -> int:
+    return int(np.percentile(sorted_values, q * 100, method="lower")) if sorted_values else 0
+
+
+def seqs_at_once(plan: Plan) -> tuple[int, int]:
+    """(sequences of the median prompt + max_tokens length the KV pool holds at once, that length)."""
+    median = percentile(plan.tokens.with_output, 0.5)
+    blocks = max(math.ceil(median / plan.config.engine.block_size), 1)
+    return plan.num_blocks // blocks, median
+

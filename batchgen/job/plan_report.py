@@ -1,0 +1,151 @@
+"""`batchgen plan`'s screen: one section per line group, figures with the arithmetic behind them."""
+from __future__ import annotations
+
+from .plan import MEMORY_WARN_SHARE, Plan, percentile, seqs_at_once
+from .inputs import read_columns
+
+WIDTH = 118  # a prompt is shown on one line, its middle elided beyond this
+
+
+def format_plan(plan: Plan, job_path: str) -> str:
+    sections = [("job", _job(plan)), ("input", _input(plan)), ("prompts", _prompts(plan)),
+                ("tokens", _tokens(plan)), ("fit", _fit(plan)), ("memory", _memory(plan)), ("time", _time(plan)),
+                ("cost", _cost(plan)), ("output", [f"{plan.config.output.path}: {plan.output_state}"])]
+    lines = [f"batchgen plan: {job_path} (no weights loaded, nothing written)"]
+    for name, body in sections:
+        lines.append(f"{name:<8} {body[0]}")
+        lines += [f"  {line}" for line in body[1:]]
+    return "\n".join(lines)
+
+
+def _job(plan: Plan) -> list[str]:
+    c, e = plan.config, plan.config.engine
+    where = "" if plan.model_ref == "default" else f" ({plan.model_dir})"
+    dtype = str(plan.dtype).removeprefix("torch.")
+    return [f"valid: model {c.model}{where}, {dtype} on {plan.device.type}; sort {c.input.sort} "
+            f"(window {c.input.sort_window:,}), max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
+            f"{e.max_num_batched_tokens:,}, block_size {e.block_size}, prefix cache "
+            f"{'on' if e.enable_prefix_caching else 'off'}"]
+
+
+def _input(plan: Plan) -> list[str]:
+    inputs = plan.inputs
+    files = f"{len(inputs.files)} file{'s' if len(inputs.files) > 1 else ''}"
+    read = set(read_columns(plan.config, inputs.column_types))
+    columns = ", ".join(f"{name} {dtype}{'*' if name in read else ''}" for name, dtype in inputs.column_types.items())
+    return [f"{plan.config.input.path}: {files}, {inputs.total_rows:,} rows", f"columns: {columns} (* read by the job)"]
+
+
+def _prompts(plan: Plan) -> list[str]:
+    cfg = plan.config.input
+    how = "chat template" if cfg.chat_template else "raw text (no chat template)"
+    source = "template" if cfg.template else f"column {cfg.messages_column or cfg.prompt_column!r}"
+    system = " + system prompt" if cfg.system_prompt else f" + system column {cfg.system_column!r}" \
+        if cfg.system_column else ""
+    lines = [f"{source}{system} -> {how}; the first {len(plan.tokens.examples)}, as the model gets them:"]
+    for row, text in plan.tokens.examples:
+        head = f"row {row.row} (id {row.id!r}, {len(row.token_ids)} tokens): "
+        lines.append(head + _one_line(text, WIDTH - len(head)))
+    return lines
+
+
+def _one_line(text: str, width: int) -> str:
+    shown = repr(text)
+    if len(shown) <= width:
+        return shown
+    head = width // 4  # the end shows the row's own text; the head, the template's start
+    return shown[:head] + " ... " + shown[-(width - head - 5):]
+
+
+def _tokens(plan: Plan) -> list[str]:
+    t, total = plan.tokens, plan.inputs.total_rows
+    n = len(t.prompt)
+    errors = f"{len(t.errors)} row errors"
+    if t.errors:
+        errors += f" (first: row {t.errors[0].row}: {t.errors[0].error})"
+    share = t.shared / sum(t.prompt) if t.prompt else 0.0
+    cache = "" if plan.config.engine.enable_prefix_caching else " (prefix caching is off: none is served)"
+    return [f"the first {t.sampled:,} of {total:,} rows (--sample-rows): {n:,} to generate, {errors}",
+            f"prompt tokens: p50 {percentile(t.prompt, .5):,}, p90 {percentile(t.prompt, .9):,}, "
+            f"max {t.prompt[-1] if n else 0:,} ({sum(t.prompt):,} in the sample)",
+            f"shared prefix: {share:.1%} of prompt tokens lie in full {plan.config.engine.block_size}-token blocks "
+            f"that an earlier row shares after the {plan.config.input.sort} sort{cache}",
+            f"output tokens: at most {t.output_bound:,} (sum of max_tokens)"
+            + (f"; ~{t.output_bound * total / t.sampled:,.0f} for all {total:,} rows" if t.sampled < total else "")]
+
+
+def _fit(plan: Plan) -> list[str]:
+    t, pool = plan.tokens, plan.num_blocks * plan.config.engine.block_size
+    if not t.with_output:
+        return ["no row to generate in the sample"]
+    longest = t.with_output[-1]
+    verdict = "fits" if longest <= plan.context else \
+        "does not fit: such rows stop at the context (finish_reason length)"
+    fits, median = seqs_at_once(plan)
+    limit = "the KV pool" if fits < plan.config.engine.max_num_seqs else "max_num_seqs"
+    return [f"longest prompt + max_tokens {longest:,} vs context {plan.context:,} tokens "
+            f"(model {plan.shape.max_model_len:,}, KV pool {pool:,}): {verdict}",
+            f"the KV pool holds {fits:,} sequences of the median length ({median:,} tokens) at once; "
+            f"max_num_seqs {plan.config.engine.max_num_seqs}: {limit} limits the batch"]
+
+
+def _memory(plan: Plan) -> list[str]:
+    e, w, parts, act = plan.config.engine, plan.weights, plan.memory_parts, plan.activation_parts
+    share = plan.peak / plan.available if plan.available else float("inf")
+    verdict = "exceeds it" if share > 1 else f"over {MEMORY_WARN_SHARE:.0%}: warning" \
+        if share > MEMORY_WARN_SHARE else "ok"
+    what = "peak RSS" if plan.device.type == "cpu" else "peak device memory"
+    size = str(plan.dtype).removeprefix("torch.")
+    explain = {
+        "weights": f"{w.parameters:,} parameters, {'/'.join(w.checkpoint_dtypes)} in {w.files} safetensors "
+                   f"file(s) (headers), as {size}",
+        "mapped": "checkpoint pages resident beside the fused q/k/v and gate/up (or converted) copies",
+        "kv": f"{plan.num_blocks:,} blocks x {e.block_size} = {plan.num_blocks * e.block_size:,} tokens x "
+              f"{plan.kv_bytes_per_token:,} B (2 x {plan.shape.num_layers} layers x {plan.shape.num_kv_heads} kv "
+              f"heads x {plan.shape.head_dim} x {size}); kv_cache_memory {plan.kv_budget_source}",
+        "activations": f"a {plan.step_tokens:,}-token step {_mib(act['step'])}, logits "
+                       f"{_mib(act['logits'])}" + (f", longest prompt's attention {_mib(act['attention'])}"
+                                                   if "attention" in act else ""),
+        "window": "the sort window's token ids",
+        "baseline": "this process now: python, torch, transformers, pyarrow, tokenizer, model modules"
+                    + (" (it just converted the GGUF: overstated, plan again)" if plan.converted_now else ""),
+    }
+    names = {"weights": "weights", "mapped": "mapped", "kv": "KV pool", "activations": "activations",
+             "window": "sort window", "baseline": "baseline"}
+    lines = [f"{what} ~{_mib(plan.peak)} = {share:.0%} of {_mib(plan.available)} {plan.available_source}: "
+             f"{verdict} (warn over {MEMORY_WARN_SHARE:.0%}, refuse over 100%)"]
+    lines += [f"{names[name]:<12}{_mib(value):>10}  {explain[name]}" for name, value in parts.items()]
+    return lines
+
+
+def _time(plan: Plan) -> list[str]:
+    t, total = plan.time, plan.inputs.total_rows
+    if t.seconds is None:
+        return [t.how]
+    left = "" if plan.rows_left == total else "; nothing left to generate" if plan.rows_left == 0 else \
+        f"; ~{_seconds_left(plan):,.1f} s for the {plan.rows_left:,} rows left"
+    return [f"~{t.seconds:,.1f} s of generation for all {total:,} rows (+ {t.load_s:.1f} s model load){left}; "
+            f"{t.how}", "bench records " + ", ".join(t.records)]
+
+
+def _seconds_left(plan: Plan) -> float:
+    return plan.time.seconds * plan.rows_left / plan.inputs.total_rows if plan.inputs.total_rows else 0.0
+
+
+def _cost(plan: Plan) -> list[str]:
+    t = plan.time
+    if plan.cost_per_hour is None:
+        return ["(give --cost-per-hour USD for cost and tokens per dollar)"]
+    if t.seconds is None:
+        return ["no time estimate, so no cost"]
+    if plan.rows_left == 0:
+        return ["nothing left to generate"]
+    seconds = _seconds_left(plan) + (t.load_s or 0.0)
+    dollars = seconds / 3600 * plan.cost_per_hour
+    output = plan.tokens.output_bound * plan.rows_left / plan.tokens.sampled
+    return [f"~${dollars:,.4f} at ${plan.cost_per_hour:,.2f}/h for {seconds:,.1f} s (load included): "
+            f"~{output / dollars:,.0f} output tokens per dollar (at most {output:,.0f} output tokens)"]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"

@@ -1,0 +1,148 @@
+"""What a resume must match. The fingerprint (runner.job_fingerprint) holds everything that decides the rows'
+results, the identity of every input file included; `check_output` compares it with what the output directory
+holds and refuses, naming what changed, when they differ."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+
+from .config import JobConfigError
+from .sink import FINGERPRINT_KEY, RUN_PART, DamagedFileError, OutputDir
+
+# The Parquet tail: a 4-byte little-endian footer length, then the magic bytes.
+_TAIL = 8
+
+
+def input_identity(path: Path) -> dict[str, Any]:
+    """What makes an input file the same file for a resume: its size, modification time and a hash of its Parquet
+    footer (schema, row groups, column statistics), which changes with the content without reading the data."""
+    try:
+        stat = path.stat()
+        with open(path, "rb") as file:
+            file.seek(max(stat.st_size - _TAIL, 0))
+            length = min(int.from_bytes(file.read(4), "little"), max(stat.st_size - _TAIL, 0))
+            file.seek(max(stat.st_size - _TAIL - length, 0))
+            footer = file.read(length + _TAIL)
+    except OSError as exc:
+        raise JobConfigError(f"input.path: cannot read {path}: {exc.strerror or exc}") from None
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "footer_sha256": hashlib.sha256(footer).hexdigest()}
+
+
+def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool,
+                 run_schema: pa.Schema | None = None) -> dict | None:
+    """Refuse an output directory holding someone else's files or another job's rows (unless --overwrite);
+    return the _SUCCESS summary when this very job already finished. `run_schema`, when given, is what the run
+    parts must hold (columns and types), so that the final rewrite cannot fail on them."""
+    where = f"output.path: {out.path}"
+    if out.path.exists() and not out.path.is_dir():
+        raise JobConfigError(f"{where} exists and is not a directory")
+    foreign = out.foreign_names()
+    if foreign:
+        raise JobConfigError(f"{where} holds files batchgen did not write ({', '.join(foreign[:3])}); "
+                             f"choose another output.path")
+    if overwrite:
+        return None
+    plan = out.pending_plan()
+    success = out.success()
+    if plan is not None or success is not None:
+        previous = (plan or {}).get("success") or success
+        _refuse_changes(where, previous.get("fingerprint", {}), fingerprint)
+        return success if plan is None else None
+    if out.final_parts():
+        raise JobConfigError(f"{where} holds finished parts but no _SUCCESS; re-run with --overwrite to start over")
+    for part, schema in out.run_part_schemas().items():
+        _refuse_changes(where, _stored_fingerprint(schema), fingerprint)
+        if run_schema is not None and not schema.remove_metadata().equals(run_schema.remove_metadata()):
+            raise JobConfigError(f"{where} holds {part.name} with other columns or types than this job writes; "
+                                 f"re-run with --overwrite to start over")
+    return None
+
+
+def _stored_fingerprint(schema: pa.Schema) -> dict:
+    try:
+        return json.loads((schema.metadata or {}).get(FINGERPRINT_KEY, b"{}"))
+    except ValueError:
+        return {}
+
+
+def _refuse_changes(where: str, previous: dict, current: dict) -> None:
+    changes = describe_changes(previous, current)
+    if changes:
+        raise JobConfigError(f"{where} holds rows of a different job ({changes}); "
+                             f"re-run with --overwrite to start over, or choose another output.path")
+
+
+def describe_changes(previous: dict, current: dict) -> str:
+    """What differs between two fingerprints ('' when nothing): the keys, and for the input the file and how."""
+    keys = [key for key in current if key != "files" and previous.get(key) != current[key]]
+    changes = [f"{', '.join(keys)} changed"] if keys else []
+    if previous.get("files") != current.get("files"):
+        changes.append(files_change(previous.get("files") or [], current.get("files") or []))
+    return "; ".join(changes)
+
+
+def files_change(previous: list, current: list[dict]) -> str:
+    """The first input file that was added, removed or changed, and how."""
+    before = {entry["path"]: entry for entry in map(_file_entry, previous)}
+    for entry in current:
+        old = before.pop(entry["path"], None)
+        if old is None:
+            return f"input file {entry['path']} is new"
+        if old != entry:
+            return f"input file {entry['path']} changed: {file_diff(old, entry)}"
+    return f"input file {next(iter(before))} is gone" if before else "input files changed"
+
+
+def _file_entry(entry: Any) -> dict:
+    """An entry of the fingerprint's file list (a [path, rows] pair before the identity was recorded)."""
+    return entry if isinstance(entry, dict) else {"path": entry[0], "rows": entry[1]}
+
+
+def file_diff(old: dict, new: dict) -> str:
+    if "size" not in old:
+        return "its identity was not recorded (the output was written by an older batchgen)"
+    diffs = []
+    if old["rows"] != new["rows"]:
+        diffs.append(f"{old['rows']} -> {new['rows']} rows")
+    if old["size"] != new["size"]:
+        diffs.append(f"{old['size']} -> {new['size']} bytes")
+    if old["mtime_ns"] != new["mtime_ns"]:
+        diffs.append(f"modified {_when(old['mtime_ns'])} -> {_when(new['mtime_ns'])}")
+    if old["footer_sha256"] != new["footer_sha256"]:
+        diffs.append("other Parquet footer (schema, row groups or statistics)")
+    return ", ".join(diffs)
+
+
+def _when(mtime_ns: int) -> str:
+    return datetime.fromtimestamp(mtime_ns / 1e9).isoformat(sep=" ", timespec="microseconds")
+
+
+@contextmanager
+def output_errors(out: OutputDir) -> Iterator[None]:
+    """What goes wrong with the output directory before the run, as job errors naming output.path."""
+    try:
+        yield
+    except DamagedFileError as exc:
+        raise JobConfigError(damaged_message(out, exc)) from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and os.fspath(exc.filename) != str(out.path) else ""
+        raise JobConfigError(f"output.path: cannot write {out.path}: {exc.strerror or exc}{where}") from None
+
+
+def damaged_message(out: OutputDir, exc: DamagedFileError) -> str:
+    """Name the damaged file and the way out. A run part holds committed rows: without it, they are generated
+    again. A file batchgen cannot read is not provably its own, so --overwrite leaves it for the user to delete."""
+    if RUN_PART.fullmatch(exc.path.name):
+        remedy = "delete that file and re-run the same command (its rows are generated again)"
+    elif exc.path.parent == out.staging:
+        remedy = "re-run with --overwrite to start over"
+    else:
+        remedy = "delete that file and re-run with --overwrite to start over"
+    return f"output.path: {exc.path} is damaged: {exc.reason}; {remedy}"
