@@ -3,13 +3,13 @@ they finish. `generate()` is a loop over that public API, as the job runner, the
 from __future__ import annotations
 
 import random
-import resource
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .engine_args import EngineArgs
 from .kv_cache_manager import KVCacheManager
 from .output_processor import OutputProcessor
+from .process_memory import peak_rss_bytes
 from .request import Request, Result
 from .sampler import PenaltyState, has_penalty
 from .scheduler import Scheduler, StepStats
@@ -112,7 +112,7 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "num_steps": self.num_steps,
             "kv_cache_tokens": self.kv_capacity,
-            "peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_memory_bytes": peak_rss_bytes(),
         }
 
     # -- admission checks ----------------------------------------------------------------------------------------------

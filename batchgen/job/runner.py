@@ -6,7 +6,6 @@ import fcntl
 import json
 import os
 import platform
-import resource
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import pyarrow as pa
 import batchgen
 from batchgen.engine import EngineArgs, Request, Result
 from batchgen.engine.engine_args import parse_bytes
+from batchgen.engine.process_memory import peak_rss_bytes
 from batchgen.engine.errors import SettingError
 
 from .config import JobConfig, JobConfigError, setting_error
@@ -331,7 +331,7 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, engin
     import torch
 
     wall_s = progress.elapsed_s
-    peak = max(engine_stats.get("peak_memory_bytes", 0), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = max(engine_stats.get("peak_memory_bytes", 0), peak_rss_bytes())
     summary = {
         "rows": totals.rows,
         "rows_ok": totals.rows_ok,

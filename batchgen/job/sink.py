@@ -295,8 +295,9 @@ class RowTotals:
 def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
              summary: Callable[[RowTotals], dict]) -> dict:
     """Rewrite the run parts as the final parts (input or completion order, without `_row`; `schema` is the
-    final parts', fingerprint included) and write _SUCCESS. Crash-safe: the final parts are built in the temp directory while the run parts stay; then a plan
-    naming what to remove and what to move in is committed, and applied (again, on resume, if interrupted)."""
+    final parts', fingerprint included) and write _SUCCESS. Crash-safe: the final parts are built in the temp
+    directory while the run parts stay; then a plan naming what to remove and what to move in is committed, and
+    applied (again, on resume, if interrupted)."""
     if out.staging.exists():
         shutil.rmtree(out.staging)
     out.staging.mkdir(parents=True)
