@@ -28,7 +28,8 @@ from batchgen.engine.request import Result
 from batchgen.job import runner
 from batchgen.job.config import parse_job
 from batchgen.job.sink import OutputDir
-from batchgen.job.source import inspect_input, read_source
+from batchgen.job.inputs import inspect_input
+from batchgen.job.source import read_source
 
 REPO = Path(__file__).resolve().parents[1]
 BAD = b"\xff\xfe not UTF-8"

@@ -17,7 +17,8 @@ from batchgen.job import sink as sink_module
 from batchgen.job.config import JobConfigError, parse_job
 from batchgen.job.schema import OUTPUT_COLUMNS, ROW_COLUMN, output_schema
 from batchgen.job.sink import OutputDir, PartWriter, RowTotals, apply_plan, finalize
-from batchgen.job.source import (SourceRow, find_input_files, inspect_input, read_source, sort_windows)
+from batchgen.job.inputs import find_input_files, inspect_input
+from batchgen.job.source import SourceRow, read_source, sort_windows
 
 
 @pytest.fixture(scope="module")

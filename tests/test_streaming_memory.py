@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent('''
     from batchgen.job.config import parse_job
     from batchgen.job.runner import PreparedJob, job_fingerprint, fingerprint_text, stream_rows
     from batchgen.job.sink import OutputDir, PartWriter, finalize
-    from batchgen.job.source import inspect_input, read_source
+    from batchgen.job.inputs import inspect_input
+    from batchgen.job.source import read_source
 
     N, root = int(sys.argv[1]), Path(sys.argv[2])
     CHUNK = 100_000

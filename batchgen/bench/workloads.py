@@ -245,7 +245,8 @@ def job_workload(job_path: str | Path, tokenizer: Any, num_rows: int | None = No
     (including its sort), each with its max_tokens. Sampling is forced to greedy; stop strings, penalties and
     min_tokens are not applied (the baselines could not honour them all); error rows are left out."""
     from batchgen.job.config import load_job
-    from batchgen.job.source import inspect_input, read_source
+    from batchgen.job.inputs import inspect_input
+    from batchgen.job.source import read_source
 
     config = load_job(job_path)
     inputs = inspect_input(config)

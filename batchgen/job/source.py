@@ -15,7 +15,6 @@ from batchgen.engine.request import SamplingParams
 
 from .config import ROW_SAMPLING_KEYS, JobConfig
 from .inputs import InputFiles, read_columns, required_columns
-from .inputs import find_input_files, inspect_input  # noqa: F401 (the runner, plan and bench import them from here)
 from .parquet_read import Unreadable, batch_values, file_batches
 from .parquet_read import first_line as _first_line
 from .special_tokens import PromptEncoder, PromptText, SpecialTokenError
