@@ -2,7 +2,9 @@
   decode:  one gather of the whole batch vs length-sorted groups of ~N gathered tokens (metadata.group_decodes)
   prefill: SDPA's masked path vs two batched matmuls per KV head, for new tokens after a cached prefix
   mlp:     SwiGLU MLP of the default model at a 4,096- vs 2,048-token step
-Usage: python scripts/microbench_attention.py [decode|prefill|mlp ...]"""
+  cpu:     decode through the torch reference (gather, then SDPA) vs the C++ kernel that reads K/V in place, at
+           batch 1-256 x contexts 128/1024, fp32 and bf16: time, ratio and GB/s of K/V read (not in the default set)
+Usage: python scripts/microbench_attention.py [decode|prefill|mlp|cpu ...]"""
 from __future__ import annotations
 
 import random
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import batchgen_kernels.reference as ref
-from batchgen_kernels.metadata import group_decodes
+from batchgen_kernels.metadata import AttentionMetadata, group_decodes
 
 BLOCK, KV_HEADS, DIM, GROUP = 16, 3, 64, 3  # the default model's attention shape
 
@@ -51,6 +53,54 @@ def decode() -> None:
         assert torch.allclose(whole(), grouped(4096), atol=1e-5)
         print(f"decode batch {batch}, contexts {lo}-{hi}: whole batch {timed(whole):.2f} ms; groups of "
               + ", ".join(f"{n}: {timed(lambda: grouped(n)):.2f} ms" for n in (1024, 2048, 4096, 8192)))
+
+
+def best_ms(fn, seconds=1.0, rounds=5) -> float:
+    """Best of `rounds` rounds of as many calls as fill about seconds / rounds (noisy shared machine: the minimum)."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    reps = max(1, int(seconds / rounds / max(time.perf_counter() - start, 1e-6)))
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - start) / reps)
+    return best * 1e3
+
+
+def cpu() -> None:
+    from batchgen_kernels import cpu_backend
+
+    if not cpu_backend.available():
+        sys.exit("the C++ CPU kernels could not be built (see the warning above)")
+    print(f"decode, one layer ({KV_HEADS} kv heads x {GROUP} query heads each, head_dim {DIM}, block {BLOCK}), "
+          f"{torch.get_num_threads()} threads; reference = reference.paged_attention (length-sorted gather groups)")
+    print("contexts drawn from [3/4 context, context]; GB/s = bytes of K/V the batch's contexts hold / time")
+    print(f"{'dtype':>8} {'batch':>5} {'context':>7} {'reference ms':>12} {'kernel ms':>9} {'speedup':>7} "
+          f"{'ref GB/s':>8} {'kernel GB/s':>11}")
+    for dtype in (torch.float32, torch.bfloat16):
+        for context in (128, 1024):
+            for batch in (1, 8, 32, 64, 256):
+                rng = random.Random(0)
+                lens = [rng.randint(context * 3 // 4, context) for _ in range(batch)]
+                width = -(-context // BLOCK)
+                num_blocks = batch * width + 16
+                k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+                v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+                table = torch.randperm(num_blocks)[: batch * width].view(batch, width).int()
+                q = torch.randn(batch, KV_HEADS * GROUP, DIM).to(dtype)
+                md = AttentionMetadata.build([1] * batch, lens, table, torch.zeros(batch, dtype=torch.int64), "cpu")
+                scale = DIM ** -0.5
+                expected = ref.paged_attention(q, k_cache, v_cache, md, scale)
+                torch.testing.assert_close(cpu_backend.paged_attention(q, k_cache, v_cache, md, scale).float(),
+                                           expected.float(), atol=3e-2, rtol=3e-2)
+                ref_ms = best_ms(lambda: ref.paged_attention(q, k_cache, v_cache, md, scale))
+                kernel_ms = best_ms(lambda: cpu_backend.paged_attention(q, k_cache, v_cache, md, scale))
+                gigabytes = sum(lens) * KV_HEADS * DIM * 2 * k_cache.element_size() / 1e9
+                print(f"{str(dtype)[6:]:>8} {batch:>5} {context:>7} {ref_ms:>12.3f} {kernel_ms:>9.3f} "
+                      f"{ref_ms / kernel_ms:>6.2f}x {gigabytes / ref_ms * 1e3:>8.1f} {gigabytes / kernel_ms * 1e3:>11.1f}")
 
 
 def prefill() -> None:
@@ -91,4 +141,4 @@ def mlp() -> None:
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["decode", "prefill", "mlp"]:
-        {"decode": decode, "prefill": prefill, "mlp": mlp}[name]()
+        {"decode": decode, "prefill": prefill, "mlp": mlp, "cpu": cpu}[name]()

@@ -240,7 +240,7 @@ def test_sampling_keys_are_sampling_params_fields_with_the_job_defaults():
 def test_keys_that_came_with_the_derivation():
     config = job(sampling={"skip_special_tokens": False}, engine={"attention_backend": "torch"})
     assert config.sampling.params().skip_special_tokens is False and config.engine.attention_backend == "torch"
-    assert "engine.attention_backend: attention_backend must be one of auto, torch, triton; got 'cuda'" in \
+    assert "engine.attention_backend: attention_backend must be one of auto, torch, triton, cpu; got 'cuda'" in \
         error_of(engine={"attention_backend": "cuda"})
     assert "sampling.skip_special_tokens: expected true or false" in error_of(sampling={"skip_special_tokens": 1})
 

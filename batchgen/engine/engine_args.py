@@ -44,7 +44,8 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's context window
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    attention_backend: str = "auto"  # auto (Triton on CUDA, torch elsewhere) | torch | triton
+    attention_backend: str = "auto"  # auto (Triton on CUDA, cpu on the CPU, torch where neither works) | torch |
+    # triton | cpu (the C++ kernels: built on first use)
     seed: int = 0  # seeds the seeds drawn for requests that bring none
 
     def cpu_kv_cache_memory(self) -> str | int:
@@ -56,7 +57,7 @@ class EngineArgs:
         if not isinstance(self.model, str) or not self.model:
             raise SettingError("model", f"model must be a non-empty string, got {self.model!r}")
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda"),
-                   "attention_backend": ("auto", "torch", "triton")}
+                   "attention_backend": ("auto", "torch", "triton", "cpu")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise SettingError(name, f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")

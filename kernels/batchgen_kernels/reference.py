@@ -71,14 +71,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """Attention for a whole varlen step ([T, Hq, D]): the decodes batched together, prefills one by one."""
     out = torch.empty_like(q)
-    nd = md.num_decodes
     for group in md.decode_groups:
         rows = torch.tensor(group, device=q.device)
         out[rows] = paged_decode(q[rows], k_cache, v_cache, md.block_tables[rows], md.seq_lens[rows],
                                  md.seq_lens_cpu[group[-1]], scale)
-    start = nd
-    for i in range(nd, md.num_seqs):
+    paged_prefills(q, k_cache, v_cache, md, scale, out)
+    return out
+
+
+def paged_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                   scale: float, out: torch.Tensor) -> None:
+    """The prefill rows of a step (those after its md.num_decodes decodes) into `out`, one sequence at a time."""
+    start = md.num_decodes
+    for i in range(md.num_decodes, md.num_seqs):
         end = start + md.query_lens_cpu[i]
         out[start:end] = paged_prefill(q[start:end], k_cache, v_cache, md.block_tables[i], md.seq_lens_cpu[i], scale)
         start = end
-    return out
