@@ -26,7 +26,6 @@ namespace {
 
 
 constexpr int64_t kTile = 32;  // tokens scored together before one softmax update (fewer rescales of the accumulators)
-constexpr int64_t kLanes = 16;  // independent partial sums: lets the compiler vectorize dot products without -ffast-math
 
 // exp(x) for x <= 0 (scores minus their running max), in plain arithmetic so that loops over it vectorize:
 // 2^(x log2 e) split into an integer power (exponent bits) and 2^f, f in [-0.5, 0.5], by a degree-6 polynomial
@@ -64,24 +63,62 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   }
 }
 
-// A tree over the lanes (log2 steps that vectorize) rather than one long chain of dependent scalar adds.
-inline float sum_lanes(float* part) {
-  for (int64_t width = kLanes / 2; width > 0; width /= 2)
-    for (int64_t j = 0; j < width; ++j) part[j] += part[j + width];
-  return part[0];
+// Sixteen floats as one value (GCC/Clang vector extension): one zmm register with AVX-512, two ymm with AVX2.
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Halving the vector three times, then four scalars: a short tree rather than a chain of 15 dependent adds.
+inline float sum_lanes(Vec16 v) {
+  const Vec8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
-  float part[kLanes] = {};
+  Vec16 even = {}, odd = {};  // two accumulators: half the dependent chain of fused multiply-adds
   int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += a[d + j] * b[d + j];
-  for (; d < n; ++d) part[d % kLanes] += a[d] * b[d];
-  return sum_lanes(part);
+  for (; d + 32 <= n; d += 32) {
+    even += load16(a + d) * load16(b + d);
+    odd += load16(a + d + 16) * load16(b + d + 16);
+  }
+  if (d + 16 <= n) {
+    even += load16(a + d) * load16(b + d);
+    d += 16;
+  }
+  float tail = 0.0f;
+  for (; d < n; ++d) tail += a[d] * b[d];
+  return sum_lanes(even + odd) + tail;
 }
 
-inline void axpy(float* y, float a, const float* x, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+// acc[offset : offset + 16 * C] += sum over the tile's rows t of weights[t] * rows[t][same range], with the
+// accumulator slice held in registers across the whole tile (rather than loaded and stored once per row).
+template <int C>
+inline void accumulate(float* acc, const float* weights, const float* const* rows, int64_t n, int64_t offset) {
+  Vec16 sums[C];
+  for (int c = 0; c < C; ++c) sums[c] = load16(acc + offset + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const float w = weights[t];
+    for (int c = 0; c < C; ++c) sums[c] += w * load16(rows[t] + offset + 16 * c);
+  }
+  for (int c = 0; c < C; ++c) std::memcpy(acc + offset + 16 * c, &sums[c], sizeof(Vec16));
+}
+
+// acc[0:dim] += sum over t < n of weights[t] * rows[t][0:dim]: four 16-float slices at a time, then single ones,
+// then the scalar tail of a head_dim that is not a multiple of 16.
+inline void accumulate_tile(float* acc, const float* weights, const float* const* rows, int64_t n, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) accumulate<4>(acc, weights, rows, n, d);
+  for (; d + 16 <= dim; d += 16) accumulate<1>(acc, weights, rows, n, d);
+  for (; d < dim; ++d)
+    for (int64_t t = 0; t < n; ++t) acc[d] += weights[t] * rows[t][d];
 }
 
 // Start loading row `row` of the next tile: the blocks of a sequence lie anywhere in the cache, so the hardware
@@ -110,8 +147,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(KV));
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), vf(dim), scores(group * kTile), run_max(group),
-        run_sum(group);
+    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), vf(kTile * dim), scores(group * kTile),
+        run_max(group), run_sum(group);
+    const float* v_rows[kTile];  // the tile's V rows as fp32: in the cache itself, or converted into vf
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / kv_heads, head = item % kv_heads;
       const int64_t len = lens[seq];
@@ -159,24 +197,24 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           for (int64_t t = 0; t < n; ++t) tile_max = std::max(tile_max, s[t]);
           const float correction = exp_nonpositive(run_max[g] - tile_max);
           for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - tile_max);
-          float part[kLanes] = {};
-          for (int64_t t = 0; t < n; ++t) part[t % kLanes] += s[t];
-          run_sum[g] = run_sum[g] * correction + sum_lanes(part);
+          float sum = 0.0f;
+          for (int64_t t = 0; t < n; ++t) sum += s[t];
+          run_sum[g] = run_sum[g] * correction + sum;
           run_max[g] = tile_max;
           if (correction != 1.0f)
             for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= correction;
         }
         for (int64_t t = 0; t < n; ++t) {
           if (t < next_n) prefetch_row(v_base + next_first + t * row_stride, row_bytes);
-          const float* v_row;
           if constexpr (std::is_same_v<KV, float>) {
-            v_row = v_base + first + t * row_stride;
+            v_rows[t] = v_base + first + t * row_stride;
           } else {
-            to_float(v_base + first + t * row_stride, vf.data(), dim);
-            v_row = vf.data();
+            to_float(v_base + first + t * row_stride, vf.data() + t * dim, dim);
+            v_rows[t] = vf.data() + t * dim;
           }
-          for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * dim, scores[g * kTile + t], v_row, dim);
         }
+        for (int64_t g = 0; g < group; ++g)
+          accumulate_tile(acc.data() + g * dim, scores.data() + g * kTile, v_rows, n, dim);
       }
 
       for (int64_t g = 0; g < group; ++g) {
