@@ -64,6 +64,7 @@ def test_greedy_matches_transformers_alone_and_batched(model_case):
     dict(enable_prefix_caching=False),
     dict(max_num_batched_tokens=16),  # forces chunked prefill, decodes and prefill chunks in one step
     dict(kv_cache_memory="160KiB", block_size=16, max_num_batched_tokens=256),  # a pool too small: preemption
+    dict(enforce_eager=True),  # the plain torch elementwise ops instead of the fused CPU kernels
 ])
 def test_scheduling_variants_give_same_outputs(model_case, variant):
     model_dir, hf, prompts, references = model_case

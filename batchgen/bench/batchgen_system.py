@@ -35,7 +35,7 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool) -> SystemRun:
                          r.finish_time - start_wall, r.cached_tokens) for r in results]
     prompt_tokens = sum(r.prompt_tokens for r in results)
     cached_tokens = sum(r.cached_tokens for r in results)
-    parameters = sum(p.numel() for p in engine.model.parameters())  # a tied lm_head is counted once
+    parameters = engine.num_parameters  # a tied lm_head is counted once
     details = {"engine_args": dataclasses.asdict(args), "parameters": parameters,
                "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
                "engine_stats": engine.stats()}

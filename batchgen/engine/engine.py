@@ -25,6 +25,7 @@ class Engine:
         self.device, self.dtype = setup.device, setup.dtype
         self.tokenizer, self.model = setup.tokenizer, setup.model
         self.vocab_size = self.model.vocab_size
+        self.num_parameters = setup.num_parameters
         self.kv_capacity = setup.num_blocks * args.block_size
         self.max_model_len = setup.max_model_len
         self.kv_cache_manager = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching)

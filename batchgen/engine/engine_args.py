@@ -43,7 +43,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's context window
     gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs (CUDA), no fused C++ elementwise kernels (CPU): plain torch ops
     attention_backend: str = "auto"  # auto (Triton on CUDA, cpu on the CPU, torch where neither works) | torch |
     # triton | cpu (the C++ kernels: built on first use)
     seed: int = 0  # seeds the seeds drawn for requests that bring none

@@ -8,7 +8,10 @@ from typing import Any
 
 import torch
 
+from batchgen_kernels.elementwise import get_elementwise
+
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
+from ..models.packed_linear import pack_linears, packing_supported
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs, parse_bytes
 from .errors import SettingError
@@ -26,6 +29,7 @@ class EngineSetup:
     dtype: torch.dtype
     tokenizer: Any
     model: torch.nn.Module
+    num_parameters: int  # counted before packing (a packed weight is no longer a Parameter); a tied head once
     eos_token_ids: list[int]
     num_blocks: int
     max_model_len: int  # the shortest of: asked for, the model's context, what the KV cache holds
@@ -38,6 +42,10 @@ def set_up(args: EngineArgs) -> EngineSetup:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype, device)
+    num_parameters = sum(p.numel() for p in model.parameters())
+    if packing_supported(device, dtype):
+        logger.info("linear layers: oneDNN, %d weights packed", pack_linears(model))
+    model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     eos = eos_token_ids(model_dir, tokenizer)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
     num_blocks = num_kv_blocks(model, args, dtype, device)
@@ -45,7 +53,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, eos, args.attention_backend)
     if device.type == "cuda" and not args.enforce_eager:
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device)
-    return EngineSetup(device, dtype, tokenizer, model, eos, num_blocks, max_model_len, runner)
+    return EngineSetup(device, dtype, tokenizer, model, num_parameters, eos, num_blocks, max_model_len, runner)
 
 
 def resolve_device(name: str) -> torch.device:

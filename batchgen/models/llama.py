@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from batchgen_kernels import AttentionMetadata
+from batchgen_kernels.elementwise import TorchElementwise
 
 from .attention import Attention
 
@@ -36,9 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return TorchElementwise.rms_norm(x, self.weight, self.eps)
 
 
 def rope_parameters(config) -> dict:
@@ -84,23 +82,13 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables [max_positions, head_dim / 2] in fp32, computed once (always on the CPU first, so that a
-    model built on the `meta` device still has real tables) and indexed by each token's position."""
+    model built on the `meta` device still has real tables); the elementwise ops' rope_qk indexes them by position."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, head_dim / 2] each, broadcasting over heads."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' `x * cos + rotate_half(x) * sin`, written on the two halves (same float operations)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class SelfAttention(nn.Module):
@@ -121,15 +109,17 @@ class SelfAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, num_kv_heads, head_dim, scale=head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, md: AttentionMetadata,
+                ops) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:  # per-head norms before RoPE: normalise q and k, then lay them out as one row again
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
+            qkv = torch.cat((q, k, v), dim=-1)
+        q, k = ops.rope_qk(qkv, positions, rope.cos, rope.sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, md)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -143,9 +133,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=variant.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -156,10 +145,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, md)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, normed: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                md: AttentionMetadata, next_norm: RMSNorm, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the residual stream; normed: it through this layer's input norm (the previous layer fused that
+        in). Returns the new residual stream and it through `next_norm` (the next layer's input norm, or the final
+        norm): each residual add is fused with the norm that follows it."""
+        attn = self.self_attn(normed, positions, rope, md, ops)
+        hidden, normed = ops.add_rms_norm(attn, hidden, self.post_attention_layernorm.weight,
+                                          self.post_attention_layernorm.eps)
+        return ops.add_rms_norm(self.mlp(normed, ops), hidden, next_norm.weight, next_norm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -189,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, variant, self.head_dim, self.num_kv_heads)
         self.rotary_emb = RotaryEmbedding(rope_inv_freq(config, self.head_dim), config.max_position_embeddings)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ops = TorchElementwise  # see use_elementwise
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -213,14 +208,21 @@ class LlamaForCausalLM(nn.Module):
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
             layer.self_attn.attn.bind_kv_cache(k_cache, v_cache, attention_backend)
 
+    def use_elementwise(self, ops) -> None:
+        """The elementwise implementation forward runs (batchgen_kernels.elementwise: torch ops or fused kernels)."""
+        self.ops = ops
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] (all sequences' new tokens end to end) → final hidden states [T, hidden]."""
+        ops, layers = self.ops, self.model.layers
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, attn_metadata)
-        return self.model.norm(hidden)
+        first_norm = layers[0].input_layernorm
+        normed = ops.rms_norm(hidden, first_norm.weight, first_norm.eps)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            hidden, normed = layer(hidden, normed, positions, self.rotary_emb, attn_metadata, next_norm, ops)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] → fp32 logits [N, vocab]."""

@@ -1,7 +1,7 @@
 """Build the C++ CPU kernels once per machine and load them as torch ops (`torch.ops.batchgen.*`).
 
 The shared library is compiled straight with the C++ compiler (no ninja, no setuptools: `torch.utils.cpp_extension`
-needs ninja for `load`, and one source file needs no build system) and cached under
+needs ninja for `load`, and two source files need no build system) and cached under
 `$BATCHGEN_CACHE_DIR/kernels/<key>/` (default `~/.cache/batchgen`, where converted models go too). The key hashes
 everything the binary depends on: the source, torch's version and C++ ABI, the compiler's identity, the flags and the
 CPU's feature flags (`-march=native` code built on an AVX-512 machine must not run on an AVX2-only one). A failed
@@ -26,7 +26,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))  # compiled into one library
+HEADERS = sorted(CSRC.glob("*.h"))
 LIBRARY_NAME = "batchgen_cpu_kernels.so"
 # -fopenmp: at::parallel_for is a header template that runs serially unless compiled with OpenMP; the library
 # then links libgomp.so.1, the one torch has already loaded. -fno-math-errno lets the rounding in exp vectorize.
@@ -61,7 +63,7 @@ def _command(compiler: str, output: Path) -> list[str]:
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     lib_dirs = cpp_extension.library_paths()
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [compiler, *FLAGS, abi, *includes, str(SOURCE), "-o", str(output),
+    return [compiler, *FLAGS, abi, *includes, *map(str, SOURCES), "-o", str(output),
             *[f"-L{path}" for path in lib_dirs], *[f"-Wl,-rpath,{path}" for path in lib_dirs], "-lc10", "-ltorch_cpu"]
 
 
@@ -69,7 +71,7 @@ def library_path(compiler: str) -> Path:
     """The cached library's path for this source, torch, compiler, flags and CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
                  compiler.encode(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
                  sys.platform.encode()):
         key.update(part)
@@ -113,7 +115,7 @@ def load() -> bool:
         torch.ops.load_library(str(target))
         _register_fake()
     except Exception as exc:  # noqa: BLE001 -- the torch reference computes the same thing, only slower
-        logger.warning("CPU attention kernels unavailable, using the torch reference: %s: %s",
+        logger.warning("CPU kernels unavailable, using torch ops instead: %s: %s",
                        type(exc).__name__, exc)
         return False
     return True

@@ -11,6 +11,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,27 +24,6 @@
 namespace {
 
 constexpr int64_t kTile = 32;  // tokens scored together before one softmax update (fewer rescales of the accumulators)
-
-// exp(x) for x <= 0 (scores minus their running max), in plain arithmetic so that loops over it vectorize:
-// 2^(x log2 e) split into an integer power (exponent bits) and 2^f, f in [-0.5, 0.5], by a degree-6 polynomial
-// (relative error ~2e-7). Below -87 the result is 0, as the softmax wants.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.5353362e-4f;
-  p = p * f + 1.3398874e-3f;
-  p = p * f + 9.6180499e-3f;
-  p = p * f + 5.5503406e-2f;
-  p = p * f + 2.4022652e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
@@ -191,8 +172,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float* s = scores.data() + g * kTile;
           float tile_max = run_max[g];
           for (int64_t t = 0; t < n; ++t) tile_max = std::max(tile_max, s[t]);
-          const float correction = exp_nonpositive(run_max[g] - tile_max);
-          for (int64_t t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - tile_max);
+          const float correction = fast_exp(run_max[g] - tile_max);
+          for (int64_t t = 0; t < n; ++t) s[t] = fast_exp(s[t] - tile_max);
           float sum = 0.0f;
           for (int64_t t = 0; t < n; ++t) sum += s[t];
           run_sum[g] = run_sum[g] * correction + sum;
