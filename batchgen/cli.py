@@ -252,7 +252,7 @@ def summary_table(s: dict, path: str) -> str:
         ("output tokens", f"{s['output_tokens']:,} ({s['output_tokens_per_s']:,.1f} tok/s this run)"),
         ("wall time", f"{s['wall_s']:.1f} s"),
         ("preemptions", f"{s['preemptions']:,}"),
-        ("dtype", s.get("dtype_reason", "")),
+        *([("dtype", s["dtype_reason"])] if s.get("dtype_reason") else []),
         *memory_lines(s),
         ("output", f"{path}  (polars.read_parquet(\"{path}/*.parquet\"))"),
     ]
