@@ -228,6 +228,21 @@ class ProgressBar:
             self.bar = None
 
 
+def memory_lines(s: dict) -> list[tuple[str, str]]:
+    """Peak RSS against the bound weights + the KV blocks used + 1 GiB, and the KV pool: its size and why."""
+    peak, bound, e = s["peak_memory_bytes"], s.get("memory_bound_bytes"), s.get("engine_stats") or {}
+    if not bound:
+        return [("peak memory", _mib(peak))]
+    return [("peak memory", f"{_mib(peak)} (bound {_mib(bound)}: weights {_mib(e['weights_bytes'])} + KV used "
+                            f"{_mib(e['kv_bytes_touched'])} + 1 GiB)"),
+            ("KV pool", f"{_mib(e['kv_pool_bytes'])} from {e['kv_pool_reason']}; at most "
+                        f"{_mib(e['kv_peak_bytes_used'])} in use at once")]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
 def summary_table(s: dict, path: str) -> str:
     hit = s["prefix_cache_hit_rate"]
     resumed = f" (this run: {s['rows_this_run']})" if s.get("resumed") else ""
@@ -237,7 +252,8 @@ def summary_table(s: dict, path: str) -> str:
         ("output tokens", f"{s['output_tokens']:,} ({s['output_tokens_per_s']:,.1f} tok/s this run)"),
         ("wall time", f"{s['wall_s']:.1f} s"),
         ("preemptions", f"{s['preemptions']:,}"),
-        ("peak memory", f"{s['peak_memory_bytes'] / 2**20:,.0f} MiB"),
+        *([("dtype", s["dtype_reason"])] if s.get("dtype_reason") else []),
+        *memory_lines(s),
         ("output", f"{path}  (polars.read_parquet(\"{path}/*.parquet\"))"),
     ]
     width = max(len(name) for name, _ in lines)

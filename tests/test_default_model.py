@@ -26,7 +26,8 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def setup(default_model_dir):
-    engine = Engine(EngineArgs(model=str(default_model_dir), kv_cache_memory="256MiB", max_num_seqs=32))
+    engine = Engine(EngineArgs(model=str(default_model_dir), dtype="float32", kv_cache_memory="256MiB",
+                               max_num_seqs=32))
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     prompts = [engine.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
                for c in CONVERSATIONS]

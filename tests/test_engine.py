@@ -12,7 +12,7 @@ MAX_TOKENS = 24
 
 
 def make_engine(model_dir, **kwargs):
-    args = dict(model=str(model_dir), kv_cache_memory="32MiB", max_num_batched_tokens=512, max_num_seqs=64)
+    args = dict(model=str(model_dir), dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=512, max_num_seqs=64)
     args.update(kwargs)
     return Engine(EngineArgs(**args))
 

@@ -400,5 +400,6 @@ def test_text_columns_of_any_encoding_pass(tmp_path, prompt):
     ({"kv_cache_memory": "64KiB"}, "the KV cache holds 128 tokens (engine.kv_cache_memory)"),
 ])
 def test_context_limit_names_the_limit(tiny_llama_dir, settings, expected):
-    engine = Engine(EngineArgs(model=str(tiny_llama_dir), device="cpu", **{"kv_cache_memory": "1MiB", **settings}))
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), device="cpu", dtype="float32",  # 512 B/token
+                               **{"kv_cache_memory": "1MiB", **settings}))
     assert context_limit(engine) == expected

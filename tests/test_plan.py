@@ -47,7 +47,7 @@ def write_input(path: Path, prompts: list[str]) -> Path:
 
 
 def write_job(root: Path, model: Path | str, input_path: Path, **sections) -> Path:
-    job = {"model": str(model), "input": {"path": str(input_path), "id_column": "id"},
+    job = {"model": str(model), "dtype": "float32", "input": {"path": str(input_path), "id_column": "id"},
            "sampling": {"max_tokens": 8},
            "engine": {"max_num_seqs": 4, "max_num_batched_tokens": 64, "kv_cache_memory": "1MiB"},
            "output": {"path": str(root / "out")}}
@@ -103,8 +103,11 @@ def test_memory_arithmetic_by_hand(tiny_job, tiny_chat_model):
     assert plan.memory_parts["weights"] == params * 4
     assert plan.memory_parts["mapped"] == fused * 4  # the fused copies' source pages stay mapped
     # 2 x 2 layers x 2 kv heads x head_dim 16 x 4 bytes = 512 B/token; 1 MiB / (512 B x 16) = 128 blocks
-    assert plan.kv_bytes_per_token == 512 and plan.num_blocks == 128
-    assert plan.memory_parts["kv"] == 2**20
+    assert plan.kv_pool.bytes_per_token == 512 and plan.kv_pool.num_blocks == 128
+    assert plan.kv_pool.reason == "kv_cache_memory '1MiB'"  # under 4 sequences x (512 tokens + 1 block)
+    # resident: the rows' blocks (prompt + 8 max_tokens each, in 16-token blocks, less the shared ones), < 128
+    blocks = sum(-(-n // 16) for n in plan.tokens.with_output) - plan.tokens.shared // 16
+    assert plan.kv_blocks == blocks < 128 and plan.memory_parts["kv"] == blocks * 16 * 512
     assert plan.context == 512  # the model's 512 < the pool's 2,048 tokens
     longest = plan.tokens.prompt[-1]
     assert plan.step_tokens == 64  # the prompts hold more uncached tokens than one step
@@ -118,7 +121,12 @@ def test_memory_arithmetic_by_hand(tiny_job, tiny_chat_model):
     bf16 = make_plan(load_job(tiny_job, ["dtype=bfloat16", "engine.max_model_len=100"]))
     assert bf16.memory_parts["weights"] == params * 2
     assert bf16.memory_parts["mapped"] == 0  # every tensor converted: nothing keeps the file mapped
-    assert bf16.kv_bytes_per_token == 256 and bf16.num_blocks == 256 and bf16.context == 100
+    # 1 MiB holds 256 blocks of bf16, but 4 sequences of the 100-token context use at most 4 x (7 + 1) blocks
+    assert bf16.kv_pool.bytes_per_token == 256 and bf16.kv_pool.num_blocks == 32 and bf16.context == 100
+    assert bf16.memory_parts["kv"] == min(32, blocks) * 16 * 256
+    assert bf16.kv_pool.reason == "max_num_seqs 4 x (100-token context + 1 block), under kv_cache_memory '1MiB'"
+    few_rows = make_plan(load_job(tiny_job, ["engine.max_num_seqs=256", "engine.max_model_len=100"]))
+    assert few_rows.kv_pool.num_blocks == 6 * 8  # the job's 6 rows, not max_num_seqs 256
 
 
 def test_shared_prefix_of_identical_prompts(tiny_chat_model, tmp_path, default_model_dir):

@@ -86,7 +86,7 @@ def test_kill_9_then_rerun_finishes_every_row_once(tmp_path):
     # a changed job is refused and touches nothing
     snapshot = {p.name: p.read_bytes() for p in run_parts(out)}
     for change, what in [("sampling.max_tokens=8", "sampling"), ("input.system_prompt=Be terse.", "input"),
-                         ("dtype=bfloat16", "dtype")]:
+                         ("dtype=float16", "dtype")]:
         refused = run_cli(job, "--set", change)
         assert refused.returncode == 2, refused.stderr
         assert f"holds rows of a different job ({what} changed)" in refused.stderr

@@ -2,6 +2,10 @@
 
 A freed block keeps its hash and stays findable until it is handed out again, so the free queue doubles as the
 prefix cache's eviction order: blocks are taken from the head, freed blocks join the tail.
+
+The queue starts in block id order, so never-used blocks go out lowest id first and the blocks ever handed out are
+always ids [0, num_touched): the model runner zeroes that range as it grows, and the CPU cache's pages beyond it are
+never written (not resident).
 """
 from __future__ import annotations
 
@@ -76,10 +80,15 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        self.num_touched = 0  # one past the highest block id ever handed out
+        self.peak_in_use = 0  # the most blocks held by sequences at once
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.size
+
+    def _note_use(self) -> None:
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.free_queue.size)
 
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
@@ -95,7 +104,9 @@ class BlockPool:
                     del self.cached[block.block_hash]
                 block.block_hash = None
             block.ref_count = 1
+            self.num_touched = max(self.num_touched, block.block_id + 1)
             blocks.append(block)
+        self._note_use()
         return blocks
 
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -104,6 +115,7 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
+        self._note_use()
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
         """Drop one reference on each block; blocks reaching zero join the free queue in the order given."""

@@ -22,13 +22,15 @@ class Engine:
         args.validate()
         self.args = args
         setup = set_up(args)
-        self.device, self.dtype = setup.device, setup.dtype
+        self.device = setup.device
+        self.dtype, self.dtype_reason = setup.dtype.dtype, setup.dtype.reason  # the reason: why auto chose it
         self.tokenizer, self.model = setup.tokenizer, setup.model
         self.vocab_size = self.model.vocab_size
-        self.num_parameters = setup.num_parameters
-        self.kv_capacity = setup.num_blocks * args.block_size
+        self.num_parameters, self.weights_bytes = setup.num_parameters, setup.weights_bytes
+        self.kv_pool = setup.kv_pool
+        self.kv_capacity = setup.kv_pool.tokens
         self.max_model_len = setup.max_model_len
-        self.kv_cache_manager = KVCacheManager(setup.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.kv_pool.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = setup.runner
         self.output = OutputProcessor(self.tokenizer, setup.eos_token_ids, self.max_model_len)
@@ -68,6 +70,7 @@ class Engine:
         if not out:
             raise RuntimeError("scheduler could not schedule any work")  # the admission checks rule this out
         self.last_step = out.stats()
+        self.runner.zero_blocks_below(self.kv_cache_manager.pool.num_touched)
         sampled, tokens = self.runner.execute(out.num_scheduled_tokens)
         self.num_steps += 1
         for seq in self.scheduler.update_from_output(out, sampled, tokens, self.output.stop_reason):
@@ -105,7 +108,9 @@ class Engine:
             yield from self.step()
 
     def stats(self) -> dict:
-        s = self.scheduler
+        """Counters of the run so far, the dtype and why, and the KV pool: its size and why, the most blocks in use
+        at once, and the blocks ever used (on the CPU, the part of the pool that is resident)."""
+        s, pool, kv = self.scheduler, self.kv_cache_manager.pool, self.kv_pool
         return {
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
@@ -113,6 +118,17 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "num_steps": self.num_steps,
             "kv_cache_tokens": self.kv_capacity,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype_reason": self.dtype_reason,
+            "weights_bytes": self.weights_bytes,
+            "kv_pool_blocks": kv.num_blocks,
+            "kv_pool_bytes": kv.bytes,
+            "kv_pool_reason": kv.reason,
+            "kv_block_bytes": kv.block_bytes,
+            "kv_peak_blocks_used": pool.peak_in_use,
+            "kv_peak_bytes_used": pool.peak_in_use * kv.block_bytes,
+            "kv_blocks_touched": pool.num_touched,
+            "kv_bytes_touched": pool.num_touched * kv.block_bytes,
             "peak_memory_bytes": peak_rss_bytes(),
         }
 

@@ -20,12 +20,23 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphRunner | None = None  # set at startup on CUDA: decode-only steps
-        # One allocation for every layer's K and V. Zeroed, not empty: attention reads whole blocks and masks the
-        # positions past a sequence's end, and a masked NaN from uninitialised memory would still poison 0 * v.
-        self.kv_cache = torch.zeros((model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim),
-                                    dtype=dtype, device=device)
+        # One allocation for every layer's K and V. The torch attention reads whole blocks and masks the positions
+        # past a sequence's end, and a masked NaN from uninitialised memory would still poison 0 * v, so a block is
+        # zeroed before its first use (zero_blocks_below); stale K/V of an earlier sequence is finite, hence safe.
+        # On the CPU the cache is left unwritten until then, so its pages become resident only as blocks are used.
+        shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        on_cpu = device.type == "cpu"
+        self.kv_cache = (torch.empty if on_cpu else torch.zeros)(shape, dtype=dtype, device=device)
+        self.num_zeroed_blocks = 0 if on_cpu else num_blocks  # blocks [0, this) hold finite values
         model.bind_kv_cache([self.kv_cache[i, 0] for i in range(model.num_layers)],
                             [self.kv_cache[i, 1] for i in range(model.num_layers)], attention_backend)
+
+    def zero_blocks_below(self, num_blocks: int) -> None:
+        """Zero blocks [num_zeroed_blocks, num_blocks) of every layer: the blocks the pool handed out for the first
+        time (it hands out never-used blocks in id order)."""
+        if num_blocks > self.num_zeroed_blocks:
+            self.kv_cache[:, :, self.num_zeroed_blocks:num_blocks].zero_()
+            self.num_zeroed_blocks = num_blocks
 
     def _prepare(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size

@@ -11,11 +11,13 @@ import torch
 from batchgen_kernels.elementwise import get_elementwise
 
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
-from ..models.packed_linear import pack_linears, packing_supported
+from ..models.packed_linear import model_bytes, pack_linears, packing_supported
+from .cpu_features import DtypeChoice, auto_cpu_dtype
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs, parse_bytes
 from .errors import SettingError
 from .gpu_memory import kv_cache_budget
+from .kv_pool import KVPoolSize, size_kv_pool
 from .model_runner import ModelRunner
 
 logger = logging.getLogger("batchgen")
@@ -26,12 +28,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class EngineSetup:
     device: torch.device
-    dtype: torch.dtype
+    dtype: DtypeChoice
     tokenizer: Any
     model: torch.nn.Module
     num_parameters: int  # counted before packing (a packed weight is no longer a Parameter); a tied head once
+    weights_bytes: int  # what the model holds in memory: parameters, buffers and packed weights
     eos_token_ids: list[int]
-    num_blocks: int
+    kv_pool: KVPoolSize
     max_model_len: int  # the shortest of: asked for, the model's context, what the KV cache holds
     runner: ModelRunner
 
@@ -41,19 +44,21 @@ def set_up(args: EngineArgs) -> EngineSetup:
     dtype = resolve_dtype(args.dtype, device)
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, dtype, device)
+    logger.info("dtype %s", dtype.reason)
+    model = load_model(model_dir, dtype.dtype, device)
     num_parameters = sum(p.numel() for p in model.parameters())
-    if packing_supported(device, dtype):
+    if packing_supported(device, dtype.dtype):
         logger.info("linear layers: oneDNN, %d weights packed", pack_linears(model))
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
+    weights_bytes = model_bytes(model)
     eos = eos_token_ids(model_dir, tokenizer)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
-    num_blocks = num_kv_blocks(model, args, dtype, device)
-    max_model_len = context_length(args, model.max_model_len, num_blocks)
-    runner = ModelRunner(model, num_blocks, args.block_size, dtype, device, eos, args.attention_backend)
+    pool = kv_pool_size(model, args, dtype.dtype, device)
+    max_model_len = context_length(args, model.max_model_len, pool.num_blocks)
+    runner = ModelRunner(model, pool.num_blocks, args.block_size, dtype.dtype, device, eos, args.attention_backend)
     if device.type == "cuda" and not args.enforce_eager:
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device)
-    return EngineSetup(device, dtype, tokenizer, model, num_parameters, eos, num_blocks, max_model_len, runner)
+    return EngineSetup(device, dtype, tokenizer, model, num_parameters, weights_bytes, eos, pool, max_model_len, runner)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,8 +69,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    return _DTYPES.get(name) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:
+    """The dtype asked for; for auto, bf16 on CUDA and on CPUs that compute it natively, fp32 on other CPUs."""
+    if name in _DTYPES:
+        return DtypeChoice(_DTYPES[name], f"{name}: set in dtype")
+    if device.type == "cuda":
+        return DtypeChoice(torch.bfloat16, "bfloat16: auto on CUDA")
+    return auto_cpu_dtype()
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -73,21 +83,12 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def blocks_for_budget(budget: int, bytes_per_token: int, block_size: int, source: str) -> int:
-    """How many KV blocks `budget` bytes hold; SettingError below 2 (`source` says where the budget came from)."""
-    num_blocks = budget // (bytes_per_token * block_size)
-    if num_blocks < 2:
-        raise SettingError("kv_cache_memory", f"kv_cache_memory {source} holds fewer than 2 blocks of "
-                                              f"{block_size} tokens ({bytes_per_token} bytes per token)")
-    return num_blocks
-
-
 def context_length(args: EngineArgs, model_max_len: int, num_blocks: int) -> int:
     """The engine's max_model_len: the shortest of what is asked for, the model's context, what the cache holds."""
     return min(args.max_model_len or model_max_len, model_max_len, num_blocks * args.block_size)
 
 
-def num_kv_blocks(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, device: torch.device) -> int:
+def kv_pool_size(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, device: torch.device) -> KVPoolSize:
     m = model
     bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
     if args.kv_cache_memory is None and device.type == "cuda":
@@ -97,11 +98,12 @@ def num_kv_blocks(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, 
         source = f"from gpu_memory_utilization {args.gpu_memory_utilization} ({max(budget, 0)} bytes)"
     else:
         budget, source = parse_bytes(args.cpu_kv_cache_memory()), repr(args.cpu_kv_cache_memory())
-    num_blocks = blocks_for_budget(budget, bytes_per_token, args.block_size, source)
+    context = min(args.max_model_len or m.max_model_len, m.max_model_len)
+    pool = size_kv_pool(budget, source, bytes_per_token, args.block_size, args.max_num_seqs, context)
     logger.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dims x %s), %d blocks of %d = %d tokens,"
-                " %.2f GiB", bytes_per_token, m.num_layers, m.num_kv_heads, m.head_dim, dtype, num_blocks,
-                args.block_size, num_blocks * args.block_size, num_blocks * args.block_size * bytes_per_token / 2**30)
-    return num_blocks
+                " %.2f GiB, from %s", bytes_per_token, m.num_layers, m.num_kv_heads, m.head_dim, dtype,
+                pool.num_blocks, args.block_size, pool.tokens, pool.bytes / 2**30, pool.reason)
+    return pool
 
 
 def capture_decode_graphs(model: torch.nn.Module, args: EngineArgs, max_model_len: int,

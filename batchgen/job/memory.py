@@ -5,7 +5,8 @@ On the CPU the estimate is of peak RSS, the figure a run writes as `peak_memory_
   baseline     this process's RSS once python, torch, transformers, pyarrow, the tokenizer and the model's
                (meta-device) modules are loaded: a run holds the same before its weights;
   weights      every parameter at the run's dtype, plus the checkpoint pages that stay resident beside copies;
-  KV pool      allocated zeroed, so fully resident;
+  KV pool      at most all of it: its pages become resident as its blocks are first used, and a long job
+               uses them all (freed blocks stay cached until the never-used ones are gone);
   activations  the largest step (max_num_batched_tokens tokens), the longest prompt's attention scores, logits;
   sort window  the token ids of the rows sorted together.
 On CUDA it is of device memory (weights, KV pool, activations), against the device's free memory."""

@@ -15,12 +15,13 @@ import numpy as np
 from batchgen.engine.block_pool import hash_block
 from batchgen.engine.engine_args import parse_bytes
 from batchgen.engine.errors import SettingError
+from batchgen.engine.kv_pool import KVPoolSize
 
 from . import memory
 from .config import JobConfig, JobConfigError, setting_error
 from .inputs import InputFiles
 from .resume import check_output, output_errors
-from .runner import PreparedJob, check_chat_template, inspect_job
+from .runner import PreparedJob, check_chat_template, engine_args_for, inspect_job
 from .sink import OutputDir
 from .source import SourceRow, read_source
 from .throughput import TimeEstimate, estimate_time
@@ -49,12 +50,11 @@ class Plan:
     model_ref: str
     model_dir: Path
     device: Any  # torch.device
-    dtype: Any  # torch.dtype
+    dtype: Any  # cpu_features.DtypeChoice: the dtype and why
     shape: memory.ModelShape
     weights: memory.WeightBytes
-    kv_bytes_per_token: int
-    kv_budget_source: str
-    num_blocks: int
+    kv_pool: KVPoolSize
+    kv_blocks: int  # of the pool, the blocks the run makes resident: on the CPU those its rows use (kv_blocks_used)
     context: int
     tokens: TokenStats
     memory_parts: dict[str, int]  # name -> bytes, in the order printed
@@ -86,19 +86,22 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     output_state, rows_left, problems = output_status(job, overwrite)
 
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    choice = resolve_dtype(config.dtype, device)
+    dtype = choice.dtype
     model_dir, tokenizer, converted_now = load_model_files(config)
     shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu")
     baseline = memory.process_rss()  # what a run holds before its weights: see memory.py
-    per_token, num_blocks, budget_source = size_kv_pool(config, shape, weights, dtype, device)
-    context = context_length(config.engine, shape.max_model_len, num_blocks)
+    pool = size_kv_pool(config, shape, weights, dtype, device, rows_left)
+    context = context_length(config.engine, shape.max_model_len, pool.num_blocks)
     tokens = sample_tokens(config, inputs, tokenizer, context, sample_rows)
     computed = sum(tokens.prompt) - (tokens.shared if config.engine.enable_prefix_caching else 0)
 
     step_tokens, activations = largest_step(config, shape, dtype, device, tokens, computed, inputs.total_rows,
                                             context)
+    kv_blocks = pool.num_blocks if device.type != "cpu" else kv_blocks_used(
+        tokens, config.engine.block_size, inputs.total_rows, pool.num_blocks, config.engine.enable_prefix_caching)
     parts = {"weights": weights.loaded, "mapped": weights.mapped,
-             "kv": num_blocks * config.engine.block_size * per_token, "activations": sum(activations.values())}
+             "kv": kv_blocks * pool.block_bytes, "activations": sum(activations.values())}
     if device.type == "cpu":
         parts["window"] = window_bytes(config, tokens, inputs.total_rows)
         parts["baseline"] = baseline
@@ -108,8 +111,7 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
 
     scale = inputs.total_rows / tokens.sampled if tokens.sampled else 0.0  # the sample's figures for the whole job
     time = estimate_time(archive, model_ref, machine(device), computed * scale, tokens.output_bound * scale)
-    return Plan(config, inputs, model_ref, model_dir, device, dtype, shape, weights, per_token, budget_source,
-                num_blocks, context, tokens, parts, step_tokens, activations, available, available_source,
+    return Plan(config, inputs, model_ref, model_dir, device, choice, shape, weights, pool, kv_blocks, context, tokens, parts, step_tokens, activations, available, available_source,
                 output_state, rows_left, time, cost_per_hour, problems, [warning] if warning else [], converted_now)
 
 
@@ -124,13 +126,15 @@ def memory_verdict(peak: int, available: int) -> tuple[str | None, str | None]:
     return None, None
 
 
-def size_kv_pool(config: JobConfig, shape: memory.ModelShape, weights: memory.WeightBytes, dtype,
-                 device) -> tuple[int, int, str]:
-    """(KV bytes per token, blocks, where the budget comes from), by the engine's arithmetic. On CUDA without a
-    kv_cache_memory the engine profiles a step; the plan uses its activation estimate instead."""
-    from batchgen.engine.startup import blocks_for_budget, kv_bytes_per_token
+def size_kv_pool(config: JobConfig, shape: memory.ModelShape, weights: memory.WeightBytes, dtype, device,
+                 rows_left: int) -> KVPoolSize:
+    """The KV pool by the engine's arithmetic, for the engine settings a run of `rows_left` rows gets (runner's
+    engine_args_for). On CUDA without a kv_cache_memory the engine profiles a step; the plan uses its activation
+    estimate instead."""
+    from batchgen.engine.kv_pool import size_kv_pool as engine_size_kv_pool
+    from batchgen.engine.startup import kv_bytes_per_token
 
-    args = config.engine
+    args = engine_args_for(config, rows_left)
     per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
     if args.kv_cache_memory is None and device.type == "cuda":
         step = memory.activation_bytes(shape, dtype, args.max_num_batched_tokens,
@@ -140,10 +144,23 @@ def size_kv_pool(config: JobConfig, shape: memory.ModelShape, weights: memory.We
         source = f"from gpu_memory_utilization {args.gpu_memory_utilization} (estimated)"
     else:
         budget, source = parse_bytes(args.cpu_kv_cache_memory()), f"{args.cpu_kv_cache_memory()!r}"
+    context = min(args.max_model_len or shape.max_model_len, shape.max_model_len)
     try:
-        return per_token, blocks_for_budget(budget, per_token, args.block_size, source), source
+        return engine_size_kv_pool(budget, source, per_token, args.block_size, args.max_num_seqs, context)
     except SettingError as exc:
         raise setting_error(exc, "engine") from None
+
+
+def kv_blocks_used(tokens: TokenStats, block_size: int, total_rows: int, pool_blocks: int,
+                   prefix_caching: bool) -> int:
+    """The blocks the run hands out, at most the pool: each row's prompt + max_tokens in blocks, less the full
+    blocks the prefix cache serves, scaled from the sample to all rows. The pool hands out never-used blocks
+    before reusing freed ones, so on the CPU this many become resident."""
+    blocks = sum(-(-n // block_size) for n in tokens.with_output)
+    if prefix_caching:
+        blocks -= tokens.shared // block_size
+    scale = total_rows / tokens.sampled if tokens.sampled else 0.0
+    return min(pool_blocks, math.ceil(blocks * scale))
 
 
 def largest_step(config: JobConfig, shape: memory.ModelShape, dtype, device, tokens: TokenStats, computed: int,
@@ -282,5 +299,5 @@ def seqs_at_once(plan: Plan) -> tuple[int, int]:
     """(sequences of the median prompt + max_tokens length the KV pool holds at once, that length)."""
     median = percentile(plan.tokens.with_output, 0.5)
     blocks = max(math.ceil(median / plan.config.engine.block_size), 1)
-    return plan.num_blocks // blocks, median
+    return plan.kv_pool.num_blocks // blocks, median
 

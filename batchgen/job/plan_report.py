@@ -21,8 +21,7 @@ def format_plan(plan: Plan, job_path: str) -> str:
 def _job(plan: Plan) -> list[str]:
     c, e = plan.config, plan.config.engine
     where = "" if plan.model_ref == "default" else f" ({plan.model_dir})"
-    dtype = str(plan.dtype).removeprefix("torch.")
-    return [f"valid: model {c.model}{where}, {dtype} on {plan.device.type}; sort {c.input.sort} "
+    return [f"valid: model {c.model}{where}, {plan.dtype.name} on {plan.device.type} ({plan.dtype.reason}); sort {c.input.sort} "
             f"(window {c.input.sort_window:,}), max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
             f"{e.max_num_batched_tokens:,}, block_size {e.block_size}, prefix cache "
             f"{'on' if e.enable_prefix_caching else 'off'}"]
@@ -75,7 +74,7 @@ def _tokens(plan: Plan) -> list[str]:
 
 
 def _fit(plan: Plan) -> list[str]:
-    t, pool = plan.tokens, plan.num_blocks * plan.config.engine.block_size
+    t, pool = plan.tokens, plan.kv_pool.tokens
     if not t.with_output:
         return ["no row to generate in the sample"]
     longest = t.with_output[-1]
@@ -95,14 +94,16 @@ def _memory(plan: Plan) -> list[str]:
     verdict = "exceeds it" if share > 1 else f"over {MEMORY_WARN_SHARE:.0%}: warning" \
         if share > MEMORY_WARN_SHARE else "ok"
     what = "peak RSS" if plan.device.type == "cpu" else "peak device memory"
-    size = str(plan.dtype).removeprefix("torch.")
+    size, kv = plan.dtype.name, plan.kv_pool
     explain = {
         "weights": f"{w.parameters:,} parameters, {'/'.join(w.checkpoint_dtypes)} in {w.files} safetensors "
                    f"file(s) (headers), as {size}",
         "mapped": "checkpoint pages resident beside the fused q/k/v and gate/up (or converted) copies",
-        "kv": f"{plan.num_blocks:,} blocks x {e.block_size} = {plan.num_blocks * e.block_size:,} tokens x "
-              f"{plan.kv_bytes_per_token:,} B (2 x {plan.shape.num_layers} layers x {plan.shape.num_kv_heads} kv "
-              f"heads x {plan.shape.head_dim} x {size}); kv_cache_memory {plan.kv_budget_source}",
+        "kv": f"{plan.kv_blocks:,} of {kv.num_blocks:,} blocks x {e.block_size} tokens x {kv.bytes_per_token:,} B "
+              f"(2 x {plan.shape.num_layers} layers x {plan.shape.num_kv_heads} kv heads x {plan.shape.head_dim} "
+              f"x {size}); the pool from {kv.reason}"
+              + ("; resident: the rows' blocks (prompt + max_tokens, less prefix hits)" if plan.device.type == "cpu"
+                 else ""),
         "activations": f"a {plan.step_tokens:,}-token step {_mib(act['step'])}, logits "
                        f"{_mib(act['logits'])}" + (f", longest prompt's attention {_mib(act['attention'])}"
                                                    if "attention" in act else ""),

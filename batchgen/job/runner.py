@@ -2,6 +2,7 @@
 raise JobConfigError); `execute_job` loads the model, streams the remaining rows and finalizes the output."""
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -163,15 +164,23 @@ def check_kv_cache_memory(engine: EngineArgs) -> None:
 
 def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[str, Any]:
     """What decides the rows' results (engine settings and sorting do not), the identity of each input file
-    included: a rewritten input is another job."""
+    included: a rewritten input is another job. The dtype is the one `auto` resolves to here: resuming on a
+    machine where it resolves to another would mix rows of both."""
     return {
         "model": model,
-        "dtype": config.dtype,
+        "dtype": resolved_dtype(config).name,
         "input": {key: getattr(config.input, key) for key in PROMPT_KEYS},
         "files": input_files(inputs),
         "sampling": config.to_dict()["sampling"],
         "keep_columns": list(config.output.keep_columns),
     }
+
+
+def resolved_dtype(config: JobConfig):
+    """The run's dtype and why (a cpu_features.DtypeChoice): the engine's own rule, which needs no model."""
+    from batchgen.engine.startup import resolve_device, resolve_dtype
+
+    return resolve_dtype(config.dtype, resolve_device(config.device))
 
 
 def input_files(inputs: InputFiles) -> list[dict[str, Any]]:
@@ -226,7 +235,7 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
         if out.pending_plan() is not None:  # an earlier run crashed while moving its final parts into place
             return apply_plan(out)
         started_at = datetime.now(timezone.utc)
-        done = job.done if job.done is not None else out.done_rows(job.inputs.total_rows)
+        done = job.done = job.done if job.done is not None else out.done_rows(job.inputs.total_rows)
         progress = Progress(job.inputs.total_rows, done.count(1))
         writer = PartWriter(out, job.schema, fingerprint_text(job.fingerprint), config.output.rows_per_part,
                             config.output.commit_interval_s, sort_by_row=config.output.order == "input")
@@ -286,12 +295,19 @@ def _commit_quietly(writer: PartWriter) -> None:
         pass  # the original failure is the one to report
 
 
+def engine_args_for(config: JobConfig, rows_left: int) -> EngineArgs:
+    """The job's engine settings for a run of `rows_left` rows: max_num_seqs no higher than that, since no more
+    sequences can run at once, so the engine sizes its KV pool for them (kv_pool.py) and not for the setting."""
+    return dataclasses.replace(config.engine, max_num_seqs=max(1, min(config.engine.max_num_seqs, rows_left)))
+
+
 def load_engine(job: PreparedJob):
     from batchgen.engine import Engine
     from batchgen.models import ModelError
 
+    rows_left = job.done.count(0) if job.done is not None else job.config.engine.max_num_seqs
     try:
-        engine = Engine(job.config.engine)
+        engine = Engine(engine_args_for(job.config, rows_left))
     except ModelError as exc:  # e.g. an architecture we do not support: a problem with the job, not a crash
         raise JobConfigError(f"model: {exc}") from None
     except SettingError as exc:  # a setting the engine cannot honour, e.g. a KV cache too small for the model
@@ -326,12 +342,26 @@ def error_result(row: SourceRow) -> Result:
     return Result.for_error(row.row, row.error, row.prompt_tokens, time.time())
 
 
+# What a run may hold beyond its weights and the KV blocks it used: python, torch and the other modules, the tokenizer,
+# the sort window, a step's activations. Peak RSS above weights + used KV + this is worth a look.
+MEMORY_OVERHEAD_BOUND = 2**30
+
+
+def memory_bound(engine_stats: dict) -> int | None:
+    """weights + the KV blocks ever used (the resident part of the pool) + MEMORY_OVERHEAD_BOUND; None when the
+    engine did not run in this process."""
+    if "weights_bytes" not in engine_stats:
+        return None
+    return engine_stats["weights_bytes"] + engine_stats["kv_bytes_touched"] + MEMORY_OVERHEAD_BOUND
+
+
 def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, engine_stats: dict,
                   started_at: datetime) -> dict:
     import torch
 
     wall_s = progress.elapsed_s
     peak = max(engine_stats.get("peak_memory_bytes", 0), peak_rss_bytes())
+    dtype = resolved_dtype(job.config)
     summary = {
         "rows": totals.rows,
         "rows_ok": totals.rows_ok,
@@ -350,6 +380,9 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, engin
         "rows_this_run": progress.rows_this_run,
         "resumed": progress.rows_this_run < totals.rows,
         "peak_memory_bytes": peak,
+        "memory_bound_bytes": memory_bound(engine_stats),
+        "dtype": engine_stats.get("dtype", dtype.name),
+        "dtype_reason": engine_stats.get("dtype_reason", dtype.reason),
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "engine_stats": engine_stats,

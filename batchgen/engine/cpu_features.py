@@ -1,0 +1,45 @@
+"""Which dtype `dtype: auto` means on this machine: bf16 where the CPU computes it natively, fp32 elsewhere."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# CPU flags (as /proc/cpuinfo spells them) that make bf16 matmuls native: AVX512_BF16's dot products, AMX's tiles.
+# Without them oneDNN emulates bf16 through fp32 and a bf16 model runs slower than an fp32 one.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str  # one line for people: "bfloat16: CPU has avx512_bf16"
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
+    """The first CPU's feature flags from /proc/cpuinfo (Linux x86), or None where there is no such file."""
+    try:
+        with open(path) as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        return None
+    return None
+
+
+def auto_cpu_dtype(flags: set[str] | None = None) -> DtypeChoice:
+    """bf16 when the CPU has one of BF16_FLAGS, fp32 otherwise, and fp32 when the flags cannot be read (macOS,
+    ARM, a container without /proc): a wrong bf16 guess would make an emulating CPU several times slower, a wrong
+    fp32 guess only forgoes a speed-up. `flags` defaults to this machine's."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags:
+        return DtypeChoice(torch.float32, "float32: CPU flags unknown (no /proc/cpuinfo flags line)")
+    native = [flag for flag in BF16_FLAGS if flag in flags]
+    if native:
+        return DtypeChoice(torch.bfloat16, f"bfloat16: CPU has {'/'.join(native)}")
+    return DtypeChoice(torch.float32, f"float32: CPU lacks {'/'.join(BF16_FLAGS)}")
