@@ -107,7 +107,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     problems += [problem] if problem else []
 
     scale = inputs.total_rows / tokens.sampled if tokens.sampled else 0.0  # the sample's figures for the whole job
-    time = estimate_time(archive, model_ref, machine(device), computed * scale, tokens.output_bound * scale)
+    time = estimate_time(archive, model_ref, machine(device), computed * scale, tokens.output_bound * scale,
+                         str(dtype).removeprefix("torch."))
     return Plan(config, inputs, model_ref, model_dir, device, dtype, shape, weights, per_token, budget_source,
                 num_blocks, context, tokens, parts, step_tokens, activations, available, available_source,
                 output_state, rows_left, time, cost_per_hour, problems, [warning] if warning else [], converted_now)
