@@ -159,7 +159,10 @@ def test_time_and_cost_from_a_bench_archive(tiny_job, tiny_chat_model, tmp_path)
     archive.write_text("\n".join(json.dumps(r) for r in [
         record("2026-01-01T00:00", "labeling", 1000, 100, 2.0),
         record("2026-01-02T00:00", "generation", 100, 1000, 5.0),
-        {**record("2026-01-03T00:00", "generation", 1, 1, 999.0), "machine": {**machine, "cores": 999}}]) + "\n")
+        {**record("2026-01-03T00:00", "generation", 1, 1, 999.0), "machine": {**machine, "cores": 999}},
+        {**record("2026-01-04T00:00", "generation", 1, 1, 999.0),  # another dtype than the job's (float32)
+         "config": {"engine_args": {"device": "auto", "dtype": "bfloat16"}}},
+        {"kind": "roofline", "date": "2026-01-05T00:00", "machine": machine, "decode": [], "prefill": []}]) + "\n")
     plan = make_plan(load_job(tiny_job), archive=archive)
     # 1000a + 100b = 2, 100a + 1000b = 5: a = 1.5152 ms per prompt token, b = 4.8485 ms per output token
     prompt = sum(plan.tokens.prompt) - plan.tokens.shared

@@ -37,6 +37,7 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool) -> SystemRun:
     cached_tokens = sum(r.cached_tokens for r in results)
     parameters = engine.num_parameters  # a tied lm_head is counted once
     details = {"engine_args": dataclasses.asdict(args), "parameters": parameters,
+               "dtype": str(engine.dtype).removeprefix("torch."),
                "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
                "engine_stats": engine.stats()}
     return SystemRun(name, True, load_s=load_s, wall_s=wall_s, rows=outputs, details=details)

@@ -1,24 +1,45 @@
-"""The machine's ceiling for this bench: fp32 matmul FLOP/s through torch, measured in the same process and run,
-and the share of it a system reaches while decoding (2 x parameters x output tokens / generation wall time; this
-counts the weight matmuls of generated tokens only, not prefill nor attention)."""
+"""The machine's rates for this bench, measured through torch in the same process and run: matmul FLOP/s (per
+dtype) and memory read bandwidth; and the share of the matmul rate a system reaches while decoding (2 x parameters
+x output tokens / generation wall time; this counts the weight matmuls of generated tokens only, not prefill nor
+attention). `roofline.py` sets its floors from the same two rates."""
 from __future__ import annotations
 
+import statistics
 import time
 
 
-def matmul_flops(n: int = 2048, reps: int = 5) -> dict:
-    """Best-of-`reps` FLOP/s of an n x n fp32 matmul, with the thread count torch uses for everything else."""
+def matmul_flops(n: int = 2048, reps: int = 5, dtype: str = "float32") -> dict:
+    """Best-of-`reps` FLOP/s of an n x n matmul in `dtype`, with the thread count torch uses for everything else."""
     import torch
 
-    a = torch.randn(n, n, dtype=torch.float32)
-    b = torch.randn(n, n, dtype=torch.float32)
-    torch.mm(a, b)  # warm-up: thread pool, allocator
+    torch_dtype = getattr(torch, dtype)
+    a = torch.randn(n, n).to(torch_dtype)
+    b = torch.randn(n, n).to(torch_dtype)
+    torch.mm(a, b)  # warm-up: thread pool, allocator, the kernel's packing buffers
     best = float("inf")
     for _ in range(reps):
         started = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - started)
-    return {"matmul_n": n, "reps": reps, "best_s": best, "flops": 2 * n**3 / best, "threads": torch.get_num_threads()}
+    return {"dtype": dtype, "matmul_n": n, "reps": reps, "best_s": best, "flops": 2 * n**3 / best,
+            "threads": torch.get_num_threads()}
+
+
+def memory_bandwidth(nbytes: int = 2**30, reps: int = 7) -> dict:
+    """Best-of-`reps` read bandwidth (bytes/s) of a sum over an fp32 tensor of `nbytes`, far larger than the caches
+    by default, with torch's thread count. A sum does one add per 4 bytes read: memory, not arithmetic, bounds it."""
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)  # written once: every page resident before the clock starts
+    x.sum()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - started)
+    best = min(times)
+    return {"bytes": x.numel() * 4, "reps": reps, "best_s": best, "median_s": statistics.median(times),
+            "bytes_per_s": x.numel() * 4 / best, "threads": torch.get_num_threads()}
 
 
 def decode_share(parameters: int, output_tokens: int, wall_s: float, ceiling_flops: float) -> dict:

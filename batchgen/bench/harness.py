@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import ceiling, report
-from .system_types import BenchOptions, SystemRun
+from .system_types import DTYPES, BenchOptions, SystemRun
 from .systems import SYSTEMS, run_system
 from .workloads import Workload, job_workload, synthetic_workload
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
 @dataclass
@@ -33,6 +35,9 @@ class BenchConfig:
     max_tokens_scale: float = 1.0  # for quick runs (tests): every row's max_tokens times this
     hf_continuous_time_limit_s: float = 1800.0
     ceiling_n: int = 2048
+    dtype: str | None = None  # batchgen's and vLLM's; default float32 (with a job: the job's dtype)
+    hf_dtype: str | None = None  # the transformers baselines'; default: the same as dtype
+    vllm_threads_bind: str = "all"  # VLLM_CPU_OMP_THREADS_BIND: all (this process's CPUs) | default | a CPU list
 
     def validate(self) -> None:
         unknown = [name for name in self.systems if name not in SYSTEMS]
@@ -45,6 +50,11 @@ class BenchConfig:
             raise ValueError(f"--rows must be at least 1, got {self.rows}")
         if self.max_tokens_scale <= 0:
             raise ValueError(f"--max-tokens-scale must be positive, got {self.max_tokens_scale}")
+        for option, value in (("--dtype", self.dtype), ("--hf-dtype", self.hf_dtype)):
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"{option} must be one of {', '.join(DTYPES)}, got {value!r}")
+        if not self.vllm_threads_bind.strip():
+            raise ValueError("--vllm-threads-bind must be all, default or a CPU list such as 0-3")
 
 
 @dataclass
@@ -63,11 +73,13 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchR
     workload, engine_args = build_workload(config)
     log(f"bench: workload {workload.name}: {len(workload.rows)} rows, {workload.prompt_tokens:,} prompt tokens, "
         f"up to {workload.max_output_tokens:,} output tokens")
-    log("bench: measuring the machine's fp32 matmul ceiling")
-    machine_ceiling = ceiling.matmul_flops(config.ceiling_n)
+    dtype = engine_args.dtype  # resolved by build_workload
+    hf_dtype = resolved_dtype(config.hf_dtype, engine_args.device) if config.hf_dtype else dtype
+    log(f"bench: dtype {dtype} (transformers baselines: {hf_dtype}); measuring the machine's {dtype} matmul ceiling")
+    machine_ceiling = ceiling.matmul_flops(config.ceiling_n, dtype=dtype)
 
     options = BenchOptions(engine_args, tuple(config.hf_batch_sizes), config.vllm_python,
-                           config.hf_continuous_time_limit_s)
+                           config.hf_continuous_time_limit_s, dtype, hf_dtype, config.vllm_threads_bind)
     runs: dict[str, SystemRun] = {}
     for name in dict.fromkeys(config.systems):
         log(f"bench: running {name}" + (f" (batch sizes {', '.join(map(str, options.hf_batch_sizes))}, each a "
@@ -104,6 +116,9 @@ def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
                                                ("kv_cache_memory", config.kv_cache_memory)) if value is not None}
     engine_args = dataclasses.replace(engine_args, **overrides)
     engine_args.validate()
+    # One explicit dtype for batchgen and vLLM, recorded as such: --dtype, else the job's, else float32.
+    dtype = config.dtype or (engine_args.dtype if config.job else "float32")
+    engine_args = dataclasses.replace(engine_args, dtype=resolved_dtype(dtype, engine_args.device))
     tokenizer = load_tokenizer(resolve_model(engine_args.model))
     if config.job:
         workload = job_workload(config.job, tokenizer, config.rows, config.max_tokens_scale)
@@ -137,6 +152,21 @@ def build_record(config: BenchConfig, workload: Workload, engine_args: Any, mach
     return record
 
 
+def resolved_dtype(name: str, device: str) -> str:
+    """A dtype setting ('auto' too) as the engine resolves it on `device` ('auto' too): 'float32', 'bfloat16'."""
+    from batchgen.engine.startup import resolve_device, resolve_dtype
+
+    return resolve_dtype(name, resolve_device(device)).name
+
+
+def cpu_flags() -> dict[str, bool]:
+    """The instruction sets the CPU kernels care about (bf16 and int8 dot products, AMX tiles)."""
+    from batchgen.engine.cpu_features import cpu_flags as read_flags
+
+    present = read_flags() or set()
+    return {flag: flag in present for flag in CPU_FLAGS}
+
+
 def git_commit() -> str | None:
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
@@ -162,6 +192,6 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
-            "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
+            "cpu_flags": cpu_flags(), "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform()}

@@ -17,7 +17,7 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
 
     started = time.monotonic()
     model_dir = resolve_model(options.engine_args.model)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.hf_dtype)).eval()
     if not hasattr(model, "init_continuous_batching"):
         import transformers
         return SystemRun.unavailable("hf-continuous", f"transformers {transformers.__version__} has no "
@@ -49,12 +49,13 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
         return SystemRun.unavailable(
             "hf-continuous", f"too slow on this machine: {len(finished)} of {len(rows)} rows ({tokens} output "
                              f"tokens) finished in the {limit_s:.0f} s time limit",
-            load_s=load_s, rows_finished=len(finished), output_tokens=tokens)
+            load_s=load_s, rows_finished=len(finished), output_tokens=tokens, dtype=options.hf_dtype)
     failed = [out for out in finished.values() if getattr(out, "error", None)]
     if failed:
         return SystemRun.unavailable("hf-continuous", f"{len(failed)} requests failed, e.g.: {failed[0].error}")
     outputs = [row_output(int(request_id), out, clock_start) for request_id, out in finished.items()]
-    return SystemRun("hf-continuous", True, load_s=load_s, wall_s=wall_s, rows=outputs)
+    return SystemRun("hf-continuous", True, load_s=load_s, wall_s=wall_s, rows=outputs,
+                     details={"dtype": options.hf_dtype})
 
 
 def cache_size(model, options: BenchOptions) -> dict:
@@ -69,7 +70,7 @@ def cache_size(model, options: BenchOptions) -> dict:
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    bytes_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * 4  # K and V, fp32
+    bytes_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize  # K and V
     page_size = getattr(ContinuousBatchingConfig(), "page_size", 256)  # tokens per block
     num_blocks = max(1, parse_bytes(options.engine_args.cpu_kv_cache_memory()) // (bytes_per_token * page_size))
     return {"continuous_batching_config": ContinuousBatchingConfig(num_blocks=num_blocks)}

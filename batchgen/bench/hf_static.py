@@ -1,5 +1,5 @@
 """transformers static batching, as people write it: rows sorted by prompt length, left-padded batches,
-`generate(do_sample=False)` up to the longest max_tokens of the batch. In the bench: CPU, fp32.
+`generate(do_sample=False)` up to the longest max_tokens of the batch. In the bench: CPU, in --hf-dtype.
 
 The whole workload runs once per batch size; the fastest run is reported, the others are kept in `details`.
 `generate_all` is also the GPU check's baseline, on the device and in the dtype of the model it is given."""
@@ -29,7 +29,7 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
 
     started = time.monotonic()
     model_dir = resolve_model(options.engine_args.model)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.hf_dtype)).eval()
     tokenizer = load_tokenizer(model_dir)
     load_s = elapsed(started)
     eos = eos_token_ids(model_dir, tokenizer)
@@ -41,7 +41,7 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
         runs[batch_size] = (wall_s, outputs)
     best = min(runs, key=lambda size: runs[size][0])
     wall_s, outputs = runs[best]
-    details = {"batch_size": best,
+    details = {"batch_size": best, "dtype": options.hf_dtype,
                "runs": {str(size): {"wall_s": w, "output_tokens": sum(len(o.token_ids) for o in outs)}
                         for size, (w, outs) in runs.items()}}
     return SystemRun("hf-static", True, load_s=load_s, wall_s=wall_s, rows=outputs, details=details)

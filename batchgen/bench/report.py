@@ -28,7 +28,7 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
 
 
 def system_figures(run: SystemRun, workload: Workload) -> dict[str, Any]:
-    figures: dict[str, Any] = {"available": run.available, "reason": run.reason}
+    figures: dict[str, Any] = {"available": run.available, "reason": run.reason, "dtype": run.details.get("dtype")}
     if not run.available:
         figures["details"] = run.details
         return figures
@@ -53,7 +53,8 @@ def reference_of(runs: dict[str, SystemRun]) -> str | None:
 
 def comparisons(runs: dict[str, SystemRun]) -> dict[str, dict[str, Any]]:
     """For each other system that ran: batchgen's output tok/s over its own (the speed ratio, > 1 = batchgen is
-    faster), the wall-time ratio on the same rows, and the share of rows whose greedy token ids equal batchgen's."""
+    faster), the wall-time ratio on the same rows, and the share of rows whose greedy token ids equal batchgen's;
+    with the dtype each side ran in."""
     reference = reference_of(runs)
     if reference is None:
         return {}
@@ -67,7 +68,8 @@ def comparisons(runs: dict[str, SystemRun]) -> dict[str, dict[str, Any]]:
         speed = sum(len(row.token_ids) for row in run.rows) / run.wall_s
         identical = sum(1 for row in run.rows if ref_tokens.get(row.id) == row.token_ids)
         total = max(len(ref_tokens), len(run.rows))
-        result[name] = {"speedup": ref_speed / speed if speed else None, "wall_ratio": run.wall_s / ref.wall_s,
+        result[name] = {"dtype": run.details.get("dtype"), "reference_dtype": ref.details.get("dtype"),
+                        "speedup": ref_speed / speed if speed else None, "wall_ratio": run.wall_s / ref.wall_s,
                         "identical_rows": identical, "rows": total,
                         "identical_share": identical / total if total else None}
     return result
@@ -83,7 +85,9 @@ def row_records(run: SystemRun) -> list[dict[str, Any]]:
 
 def archive_entry(record: dict[str, Any]) -> dict[str, Any]:
     """The record without per-row outputs or tracebacks: one line of the performance archive."""
-    entry = {key: value for key, value in record.items() if key != "rows"}
+    entry = {key: value for key, value in record.items() if key not in ("rows", "paths")}
+    if "systems" not in record:  # a roofline record: no per-system figures
+        return entry
     entry["systems"] = {}
     for name, figures in record["systems"].items():
         details = {k: v for k, v in figures.get("details", {}).items() if k != "traceback"}
@@ -109,7 +113,7 @@ def write_chart(record: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ran = [(name, f) for name, f in record["systems"].items() if f["available"]]
-    names = [label_of(name, f) for name, f in ran]
+    names = [f"{label_of(name, f)}\n{short_dtype(f.get('dtype'))}" for name, f in ran]
     speeds = [f["output_tok_s"] for _, f in ran]
     figure, axes = plt.subplots(figsize=(max(5.0, 1.6 * len(ran) + 2), 4.5))
     colors = ["tab:blue" if name.startswith("batchgen") else "tab:gray" for name in names]
@@ -133,6 +137,13 @@ def write_chart(record: dict[str, Any], path: Path) -> None:
 
 
 # -- tables ------------------------------------------------------------------------------------------------------
+
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def short_dtype(dtype: str | None) -> str:
+    return "-" if dtype is None else SHORT_DTYPES.get(dtype, dtype)
+
 
 def label_of(name: str, figures: dict) -> str:
     """The system's name, with hf-static's winning batch size."""
@@ -159,7 +170,8 @@ def render_table(header: list[str], lines: list[list[str]]) -> str:
 def format_table(record: dict[str, Any]) -> str:
     """The compact summary printed at the end of a run."""
     reference = record["reference"] or "batchgen"
-    header = ["system", "load s", "wall s", "prompt tok/s", "out tok/s", "TTFT ms p50/90/99", "TPOT ms p50/90/99",
+    header = ["system", "dtype", "load s", "wall s", "prompt tok/s", "out tok/s", "TTFT ms p50/90/99",
+              "TPOT ms p50/90/99",
               "peak RSS", "cache hit", f"{reference} x", "same as ref"]
     lines, unavailable = [], []
     for name, f in record["systems"].items():
@@ -167,7 +179,8 @@ def format_table(record: dict[str, Any]) -> str:
             unavailable.append(f"  {name}: unavailable — {f['reason']}")
             continue
         compared = record["comparisons"].get(name, {})
-        lines.append([label_of(name, f), _fmt(f["load_s"]), _fmt(f["wall_s"]), _fmt(f["prompt_tok_s"]),
+        lines.append([label_of(name, f), short_dtype(f.get("dtype")), _fmt(f["load_s"]), _fmt(f["wall_s"]),
+                      _fmt(f["prompt_tok_s"]),
                       _fmt(f["output_tok_s"]), _pcts(f["ttft_s"]), _pcts(f["tpot_s"]),
                       _fmt(f["peak_rss_bytes"] / 2**20, ",.0f", " MiB"), _fmt(f["prefix_cache_hit_rate"], ".0%"),
                       _fmt(compared.get("speedup"), ".2f", "x"), _fmt(compared.get("identical_share"), ".0%")])
@@ -179,26 +192,33 @@ def format_table(record: dict[str, Any]) -> str:
         parts.append(render_table(header, lines))
     parts += unavailable
     ceiling = record["ceiling"]
-    parts.append(f"  machine ceiling: {ceiling['flops'] / 1e9:,.1f} GFLOP/s (fp32 {ceiling['matmul_n']}x"
+    parts.append(f"  machine ceiling: {ceiling['flops'] / 1e9:,.1f} GFLOP/s "
+                 f"({short_dtype(ceiling.get('dtype', 'float32'))} {ceiling['matmul_n']}x"
                  f"{ceiling['matmul_n']} matmul, best of {ceiling['reps']})")
     decode = record.get("decode")
     if decode:
         parts.append(f"  {reference} during decode: {decode['decode_flops'] / 1e9:,.2f} GFLOP/s = "
                      f"{decode['share_of_ceiling']:.1%} of the ceiling ({decode['note']})")
-    parts.append(f"  {reference} x = {reference}'s output tok/s over the system's, on the same rows; "
-                 f"same as ref = rows whose greedy token ids equal {reference}'s")
+    ref_dtype = short_dtype(record["systems"].get(reference, {}).get("dtype"))
+    parts.append(f"  {reference} x = {reference}'s output tok/s ({ref_dtype}) over the system's (in its own dtype), "
+                 f"on the same rows; same as ref = rows whose greedy token ids equal {reference}'s")
     return "\n".join(parts)
 
 
 def history_table(path: Path) -> str:
-    """The archive as a table: one line per system per run."""
+    """The archive as a table: one line per system per run; roofline runs (`bench --roofline`) in a second one."""
+    from .roofline_report import HISTORY_HEADER, history_lines
+
     if not path.is_file():
         return f"no archive at {path} (a bench run appends to it)"
-    lines = []
+    lines, roofline = [], []
     for text in path.read_text().splitlines():
         if not text.strip():
             continue
         entry = json.loads(text)
+        if entry.get("kind") == "roofline":
+            roofline += history_lines(entry)
+            continue
         commit = (entry.get("git_commit") or "-")[:8]
         for name, f in entry["systems"].items():
             compared = entry.get("comparisons", {}).get(name, {})
@@ -207,10 +227,15 @@ def history_table(path: Path) -> str:
                            _fmt(compared.get("speedup"), ".2f", "x"), _fmt(compared.get("identical_share"), ".0%")]
             else:
                 figures = ["unavailable", "-", "-", "-", "-"]
+            dtype = short_dtype(f.get("dtype") or "float32")  # records before --dtype: every system ran in fp32
             lines.append([entry["date"][:16], commit, entry["workload"]["name"], str(entry["workload"]["rows"]),
-                          name] + figures)
-    if not lines:
+                          name, dtype] + figures)
+    if not lines and not roofline:
         return f"the archive {path} is empty"
-    header = ["date", "commit", "workload", "rows", "system", "wall s", "out tok/s", "cache hit", "batchgen x",
-              "same"]
-    return render_table(header, lines)
+    header = ["date", "commit", "workload", "rows", "system", "dtype", "wall s", "out tok/s", "cache hit",
+              "batchgen x", "same"]
+    tables = [render_table(header, lines)] if lines else []
+    if roofline:
+        tables.append("roofline (bench --roofline): decode step time / floor, prefill share of the matmul rate\n"
+                      + render_table(HISTORY_HEADER, roofline))
+    return "\n\n".join(tables)

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+DTYPES = ("auto", "float32", "bfloat16")  # --dtype and --hf-dtype; auto as the engine resolves it
+
 
 @dataclass
 class RowOutput:
@@ -55,6 +57,9 @@ class BenchOptions:
     hf_batch_sizes: tuple[int, ...] = (16, 32)
     vllm_python: str | None = None
     hf_continuous_time_limit_s: float = 1800.0
+    dtype: str = "float32"  # batchgen's (engine_args.dtype, resolved) and vLLM's
+    hf_dtype: str = "float32"  # the transformers baselines'
+    vllm_threads_bind: str = "all"  # vllm_system.threads_bind: all | default | a CPU list
 
 
 def elapsed(since: float) -> float:

@@ -3,7 +3,7 @@ file and write the outputs and timings as JSON. Standalone: imports nothing from
 
     python vllm_worker.py IN.json OUT.json
 
-IN:  {"model_dir": str, "enable_prefix_caching": bool, "llm_kwargs": {...},
+IN:  {"model_dir": str, "enable_prefix_caching": bool, "dtype": str (default float32), "llm_kwargs": {...},
       "rows": [{"id": int, "prompt_token_ids": [int], "max_tokens": int}]}
 OUT: {"vllm_version", "load_s", "wall_s", "rows": [{"id", "token_ids", "num_cached_tokens",
       "first_token_s", "finish_s"}]}  (times in seconds since generation started; null where vLLM has none)
@@ -23,7 +23,7 @@ def main(in_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, enforce_eager=True,
+    llm = LLM(model=spec["model_dir"], dtype=spec.get("dtype", "float32"), seed=0, enforce_eager=True,
               enable_prefix_caching=spec["enable_prefix_caching"], disable_log_stats=False,  # per-request metrics
               **spec.get("llm_kwargs", {}))
     load_s = time.monotonic() - started

@@ -49,6 +49,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
     num_parameters = sum(p.numel() for p in model.parameters())
     if packing_supported(device, dtype.dtype):
         logger.info("linear layers: oneDNN, %d weights packed", pack_linears(model))
+        for param in model.parameters():  # the rest into memory of their own: the checkpoint's mapping can go
+            param.data = param.data.clone()
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     weights_bytes = model_bytes(model)
     eos = eos_token_ids(model_dir, tokenizer)

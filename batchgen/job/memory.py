@@ -5,6 +5,8 @@ On the CPU the estimate is of peak RSS, the figure a run writes as `peak_memory_
   baseline     this process's RSS once python, torch, transformers, pyarrow, the tokenizer and the model's
                (meta-device) modules are loaded: a run holds the same before its weights;
   weights      every parameter at the run's dtype, plus the checkpoint pages that stay resident beside copies;
+  packed       where the CPU's linear layers are packed for oneDNN (models/packed_linear.py): a second copy of
+               every matmul weight (the LM head too), which exists beside the plain weights while they are packed;
   KV pool      at most all of it: its pages become resident as its blocks are first used, and a long job
                uses them all (freed blocks stay cached until the never-used ones are gone);
   activations  the largest step (max_num_batched_tokens tokens), the longest prompt's attention scores, logits;
@@ -130,6 +132,14 @@ def weight_bytes(model_dir: Path, used: dict[str, bool], dtype: torch.dtype, on_
         if on_cpu and viewed:
             mapped += copied
     return WeightBytes(len(files), parameters, tuple(sorted(dtypes)), loaded, mapped)
+
+
+def packed_weight_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+    """The matmul weights (q/k/v, o, gate/up, down of every layer, and the LM head) at `dtype`."""
+    h, d = shape.hidden_size, shape.head_dim
+    per_layer = h * (shape.num_heads + 2 * shape.num_kv_heads) * d + shape.num_heads * d * h \
+        + 3 * h * shape.intermediate_size
+    return (shape.num_layers * per_layer + shape.vocab_size * h) * torch.finfo(dtype).bits // 8
 
 
 def activation_bytes(shape: ModelShape, dtype: torch.dtype, step_tokens: int, step_seqs: int,

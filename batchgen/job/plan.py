@@ -80,6 +80,7 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     """Every figure of the plan. Raises JobConfigError for a problem that leaves nothing to plan; the others (the
     output refused, memory short) are in `problems`."""
     from batchgen.engine.startup import context_length, resolve_device, resolve_dtype
+    from batchgen.models.packed_linear import packing_supported
 
     job = inspect_job(config)  # prepare_job's checks, without taking the output (its lock, --overwrite's removal)
     inputs, model_ref = job.inputs, job.fingerprint["model"]
@@ -101,6 +102,7 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     kv_blocks = pool.num_blocks if device.type != "cpu" else kv_blocks_used(
         tokens, config.engine.block_size, inputs.total_rows, pool.num_blocks, config.engine.enable_prefix_caching)
     parts = {"weights": weights.loaded, "mapped": weights.mapped,
+             "packed": memory.packed_weight_bytes(shape, dtype) if packing_supported(device, dtype) else 0,
              "kv": kv_blocks * pool.block_bytes, "activations": sum(activations.values())}
     if device.type == "cpu":
         parts["window"] = window_bytes(config, tokens, inputs.total_rows)
@@ -110,8 +112,10 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     problems += [problem] if problem else []
 
     scale = inputs.total_rows / tokens.sampled if tokens.sampled else 0.0  # the sample's figures for the whole job
-    time = estimate_time(archive, model_ref, machine(device), computed * scale, tokens.output_bound * scale)
-    return Plan(config, inputs, model_ref, model_dir, device, choice, shape, weights, pool, kv_blocks, context, tokens, parts, step_tokens, activations, available, available_source,
+    time = estimate_time(archive, model_ref, machine(device), computed * scale, tokens.output_bound * scale,
+                         str(choice.dtype).removeprefix("torch."))
+    return Plan(config, inputs, model_ref, model_dir, device, choice, shape, weights, pool, kv_blocks, context,
+                tokens, parts, step_tokens, activations, available, available_source,
                 output_state, rows_left, time, cost_per_hour, problems, [warning] if warning else [], converted_now)
 
 

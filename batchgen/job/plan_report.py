@@ -99,6 +99,7 @@ def _memory(plan: Plan) -> list[str]:
         "weights": f"{w.parameters:,} parameters, {'/'.join(w.checkpoint_dtypes)} in {w.files} safetensors "
                    f"file(s) (headers), as {size}",
         "mapped": "checkpoint pages resident beside the fused q/k/v and gate/up (or converted) copies",
+        "packed": "the matmul weights packed for oneDNN, beside the plain ones while they are packed",
         "kv": f"{plan.kv_blocks:,} of {kv.num_blocks:,} blocks x {e.block_size} tokens x {kv.bytes_per_token:,} B "
               f"(2 x {plan.shape.num_layers} layers x {plan.shape.num_kv_heads} kv heads x {plan.shape.head_dim} "
               f"x {size}); the pool from {kv.reason}"
@@ -111,11 +112,11 @@ def _memory(plan: Plan) -> list[str]:
         "baseline": "this process now: python, torch, transformers, pyarrow, tokenizer, model modules"
                     + (" (it just converted the GGUF: overstated, plan again)" if plan.converted_now else ""),
     }
-    names = {"weights": "weights", "mapped": "mapped", "kv": "KV pool", "activations": "activations",
+    names = {"weights": "weights", "mapped": "mapped", "packed": "packed", "kv": "KV pool", "activations": "activations",
              "window": "sort window", "baseline": "baseline"}
     lines = [f"{what} ~{_mib(plan.peak)} = {share:.0%} of {_mib(plan.available)} {plan.available_source}: "
              f"{verdict} (warn over {MEMORY_WARN_SHARE:.0%}, refuse over 100%)"]
-    lines += [f"{names[name]:<12}{_mib(value):>10}  {explain[name]}" for name, value in parts.items()]
+    lines += [f"{names[name]:<12}{_mib(value):>10}  {explain[name]}" for name, value in parts.items() if value]
     return lines
 
 

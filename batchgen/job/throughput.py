@@ -20,9 +20,10 @@ class TimeEstimate:
 
 
 def estimate_time(archive: Path, model: str, device: dict[str, Any], prompt_tokens: float,
-                  output_tokens: float) -> TimeEstimate:
+                  output_tokens: float, dtype: str = "float32") -> TimeEstimate:
     """`model`: "default" or a resolved path; `device`: {"type": "cpu", "cpu": name, "cores": n} or
-    {"type": "cuda", ...}; `prompt_tokens`: those to compute, after the prefix cache."""
+    {"type": "cuda", ...}; `prompt_tokens`: those to compute, after the prefix cache; `dtype`: the run's, resolved
+    ("float32"): only records of batchgen in that dtype count."""
     if not archive.is_file():
         return TimeEstimate(None, None, f"no bench archive at {archive}")
     if device["type"] != "cpu":
@@ -30,12 +31,12 @@ def estimate_time(archive: Path, model: str, device: dict[str, Any], prompt_toke
     latest: dict[str, dict] = {}  # workload name -> its latest matching record
     for line in archive.read_text().splitlines():
         record = json.loads(line) if line.strip() else None
-        if record and _matches(record, model, device) and record["date"] >= latest.get(
+        if record and _matches(record, model, device, dtype) and record["date"] >= latest.get(
                 record["workload"]["name"], {}).get("date", ""):
             latest[record["workload"]["name"]] = record
     if not latest:
-        return TimeEstimate(None, None, f"no record for this model/device ({device['cpu']}, {device['cores']} cores) "
-                                        f"in {archive}")
+        return TimeEstimate(None, None, f"no record for this model/device/dtype ({device['cpu']}, {device['cores']} "
+                                        f"cores, {dtype}) in {archive}")
     records = sorted(latest.values(), key=lambda r: r["date"])
     names = tuple(_describe(r) for r in records)
     load_s = records[-1]["systems"]["batchgen"]["load_s"]
@@ -53,9 +54,12 @@ def estimate_time(archive: Path, model: str, device: dict[str, Any], prompt_toke
                         f"{per_token * 1e3:.2f} ms per token (prompt computed + output), from this", names[-1:])
 
 
-def _matches(record: dict, model: str, device: dict[str, Any]) -> bool:
-    system = record.get("systems", {}).get("batchgen") or {}
+def _matches(record: dict, model: str, device: dict[str, Any], dtype: str) -> bool:
+    system = record.get("systems", {}).get("batchgen") or {}  # a roofline record has no systems
     if not system.get("available") or not system.get("wall_s"):
+        return False
+    recorded_dtype = record.get("config", {}).get("engine_args", {}).get("dtype", "auto")
+    if (recorded_dtype if recorded_dtype != "auto" else "float32") != dtype:  # before --dtype: auto was fp32
         return False
     recorded = record["workload"].get("model")
     if recorded != model and (recorded == "default" or str(Path(str(recorded)).resolve()) != model):

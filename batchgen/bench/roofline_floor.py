@@ -1,0 +1,82 @@
+"""The roofline's arithmetic: the least time one engine step can take on a machine with a given memory bandwidth
+and matmul rate. A step's floor is max(bytes it must read / bandwidth, FLOPs it must do / matmul rate); whichever
+term is larger is the bound that sets it.
+
+Decode step (batch B, each sequence attending over `context` tokens, one new token each):
+  bytes = the matmul weights once (every layer, the LM head; a tied embedding counted once: it is the LM head)
+          + B x context x KV bytes per token
+  FLOPs = 2 x matmul parameters x B + 4 x layers x query heads x head_dim x context x B   (QK^T and PV)
+Prefill step (S fresh sequences of L tokens, no cache hits; the LM head runs on each sequence's last token only):
+  FLOPs = 2 x (matmul parameters - LM head) x S x L + 2 x LM head x S
+          + 4 x layers x query heads x head_dim x S x L (L + 1) / 2                           (causal attention)
+  bytes = the matmul weights once + S x L x KV bytes per token (written)
+An untied embedding table is not in the floor: a step reads only its B rows of it."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    num_layers: int
+    num_heads: int  # query heads
+    head_dim: int
+    matmul_params: int  # every parameter but the embedding table, plus the LM head (the table itself when tied)
+    lm_head_params: int
+    weight_bytes: int  # the matmul parameters' bytes, as the model holds them
+    kv_bytes_per_token: int  # K and V of every layer
+
+    @classmethod
+    def of(cls, setup, kv_bytes_per_token: int) -> "ModelCounts":
+        """From the engine's set-up model (batchgen.engine.startup.EngineSetup), as it is held in memory: packed or
+        quantized weights are counted at their real size (they are no longer plain parameters, so the counts come
+        from the set-up's totals less the embedding table and the RoPE tables)."""
+        model = setup.model
+        embedding = model.model.embed_tokens.weight
+        lm_head_params = model.vocab_size * embedding.shape[1]
+        tied = model.variant.tie_word_embeddings
+        matmul_params = setup.num_parameters - embedding.numel() + (lm_head_params if tied else 0)
+        rope_bytes = sum(t.numel() * t.element_size() for t in model.rotary_emb.buffers())
+        weight_bytes = setup.weights_bytes - rope_bytes - embedding.numel() * embedding.element_size()
+        if getattr(model.lm_head, "weight", None) is embedding:  # a tied head that is the table itself, not a copy
+            weight_bytes += embedding.numel() * embedding.element_size()
+        return cls(model.num_layers, model.num_heads, model.head_dim, matmul_params, lm_head_params, weight_bytes,
+                   kv_bytes_per_token)
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Floor:
+    bytes: float
+    flops: float
+    memory_s: float  # bytes / bandwidth
+    compute_s: float  # FLOPs / matmul rate
+    floor_s: float
+    bound: str  # "memory" or "compute": the larger term
+
+    @classmethod
+    def of(cls, nbytes: float, flops: float, bandwidth: float, flop_rate: float) -> "Floor":
+        memory_s, compute_s = nbytes / bandwidth, flops / flop_rate
+        return cls(nbytes, flops, memory_s, compute_s, max(memory_s, compute_s),
+                   "memory" if memory_s >= compute_s else "compute")
+
+
+def attention_flops(counts: ModelCounts, query_tokens_times_context: float) -> float:
+    """QK^T and PV: 2 FLOPs per multiply-add, 2 matmuls, per query head and dimension, per (query, key) pair."""
+    return 4 * counts.num_layers * counts.num_heads * counts.head_dim * query_tokens_times_context
+
+
+def decode_floor(counts: ModelCounts, batch: int, context: int, bandwidth: float, flop_rate: float) -> Floor:
+    nbytes = counts.weight_bytes + batch * context * counts.kv_bytes_per_token
+    flops = 2 * counts.matmul_params * batch + attention_flops(counts, batch * context)
+    return Floor.of(nbytes, flops, bandwidth, flop_rate)
+
+
+def prefill_floor(counts: ModelCounts, num_seqs: int, seq_len: int, bandwidth: float, flop_rate: float) -> Floor:
+    tokens = num_seqs * seq_len
+    flops = (2 * (counts.matmul_params - counts.lm_head_params) * tokens + 2 * counts.lm_head_params * num_seqs
+             + attention_flops(counts, num_seqs * seq_len * (seq_len + 1) / 2))
+    nbytes = counts.weight_bytes + tokens * counts.kv_bytes_per_token
+    return Floor.of(nbytes, flops, bandwidth, flop_rate)
