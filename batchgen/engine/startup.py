@@ -37,7 +37,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     dtype = resolve_dtype(args.dtype, device)
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, dtype, device)
+    model = load_model(model_dir, dtype, device, args.quantization)
     eos = eos_token_ids(model_dir, tokenizer)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
     num_blocks = num_kv_blocks(model, args, dtype, device)

@@ -88,7 +88,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_dir, tokenizer, converted_now = load_model_files(config)
-    shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu")
+    shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu",
+                                           config.engine.quantization)
     baseline = memory.process_rss()  # what a run holds before its weights: see memory.py
     per_token, num_blocks, budget_source = size_kv_pool(config, shape, weights, dtype, device)
     context = context_length(config.engine, shape.max_model_len, num_blocks)

@@ -98,7 +98,8 @@ def _memory(plan: Plan) -> list[str]:
     size = str(plan.dtype).removeprefix("torch.")
     explain = {
         "weights": f"{w.parameters:,} parameters, {'/'.join(w.checkpoint_dtypes)} in {w.files} safetensors "
-                   f"file(s) (headers), as {size}",
+                   f"file(s) (headers), as {size}" + (", the Linear layers and LM head as int8"
+                                                           if e.quantization else ""),
         "mapped": "checkpoint pages resident beside the fused q/k/v and gate/up (or converted) copies",
         "kv": f"{plan.num_blocks:,} blocks x {e.block_size} = {plan.num_blocks * e.block_size:,} tokens x "
               f"{plan.kv_bytes_per_token:,} B (2 x {plan.shape.num_layers} layers x {plan.shape.num_kv_heads} kv "

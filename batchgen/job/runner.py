@@ -162,8 +162,8 @@ def check_kv_cache_memory(engine: EngineArgs) -> None:
 
 
 def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[str, Any]:
-    """What decides the rows' results (engine settings and sorting do not), the identity of each input file
-    included: a rewritten input is another job."""
+    """What decides the rows' results (engine settings other than quantization, and sorting, do not), the identity
+    of each input file included: a rewritten input is another job."""
     return {
         "model": model,
         "dtype": config.dtype,
@@ -171,6 +171,8 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[s
         "files": input_files(inputs),
         "sampling": config.to_dict()["sampling"],
         "keep_columns": list(config.output.keep_columns),
+        # int8 weights change the results; absent when off, so outputs written before the setting still resume
+        **({"quantization": config.engine.quantization} if config.engine.quantization else {}),
     }
 
 
