@@ -136,3 +136,18 @@ def _prefill_logits(model) -> torch.Tensor:
 
 def _norm_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
+
+
+def test_quantization_is_part_of_the_resume_fingerprint_only_when_on():
+    from types import SimpleNamespace
+
+    from batchgen.job.config import parse_job
+    from batchgen.job.resume import describe_changes
+    from batchgen.job.runner import job_fingerprint
+
+    raw = {"input": {"path": "in.parquet"}, "output": {"path": "out"}}
+    no_inputs = SimpleNamespace(files=[], row_counts=[])
+    plain = job_fingerprint(parse_job(raw), "default", no_inputs)
+    int8 = job_fingerprint(parse_job({**raw, "engine": {"quantization": "int8"}}), "default", no_inputs)
+    assert "quantization" not in plain  # outputs written before the setting existed still resume
+    assert describe_changes(plain, int8) == describe_changes(int8, plain) == "quantization changed"
