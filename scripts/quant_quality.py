@@ -132,17 +132,26 @@ def main(argv: list[str] | None = None) -> None:
           f"tokens ({len(windows) * args.window:,} tokens of docs/*.md and batchgen/**/*.py)", flush=True)
     print(f"| dtype | model | weights MiB | perplexity | identical rows | mean first divergence (of diverged) |")
     print(f"|---|---|---:|---:|---:|---:|")
+    bases = {}
     for dtype in args.dtype:
-        base = evaluate(dtype, None, rows, windows, args.max_tokens)
+        base = bases[dtype] = evaluate(dtype, None, rows, windows, args.max_tokens)
         print(f"| {dtype} | unquantized | {base['weight_bytes'] / 2**20:,.0f} | {base['ppl']:.3f} | - | - |",
               flush=True)
         for variant in args.variant:
+            if variant == "int8-weight-only" and dtype == "float32":
+                continue  # aten._weight_int8pack_mm has no fast fp32 kernel: not a configuration anyone would run
             quant = evaluate(dtype, variant, rows, windows, args.max_tokens)
             agree = agreement(base["outputs"], quant["outputs"])
             print(f"| {dtype} | {variant} | {quant['weight_bytes'] / 2**20:,.0f} | {quant['ppl']:.3f} "
                   f"({(quant['ppl'] / base['ppl'] - 1) * 100:+.2f}%) | {agree['identical'] * 100:.1f}% "
                   f"({len(rows) - agree['diverged']}/{len(rows)}) | {agree['mean_first_divergence']:.1f} |",
                   flush=True)
+    if len(bases) == 2:  # the yardstick: how far bf16 itself is from fp32, on the same measures
+        fp32, bf16 = bases["float32"], bases["bfloat16"]
+        agree = agreement(fp32["outputs"], bf16["outputs"])
+        print(f"| bfloat16 vs float32 (yardstick) | unquantized | - | {bf16['ppl']:.3f} "
+              f"({(bf16['ppl'] / fp32['ppl'] - 1) * 100:+.2f}%) | {agree['identical'] * 100:.1f}% "
+              f"({len(rows) - agree['diverged']}/{len(rows)}) | {agree['mean_first_divergence']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -133,6 +133,7 @@ def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise JobConfigError(f"model: no *.safetensors weights in {model_dir}")
+    quantized = any(use.quantized for use in used.values())
     run_name, run_bytes = _SAFETENSORS_NAMES.get(dtype), torch.finfo(dtype).bits // 8
     parameters = loaded = mapped = 0
     dtypes: set[str] = set()
@@ -150,7 +151,7 @@ def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype
                 copied += entry["data_offsets"][1] - entry["data_offsets"][0]
             else:
                 viewed = True
-        if on_cpu and viewed:
+        if on_cpu and viewed and not quantized:  # the loader copies the views of a quantized model: no mapping stays
             mapped += copied
     return WeightBytes(len(files), parameters, tuple(sorted(dtypes)), loaded, mapped)
 
