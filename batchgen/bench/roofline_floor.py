@@ -30,14 +30,13 @@ class ModelCounts:
     def of(cls, setup, kv_bytes_per_token: int) -> "ModelCounts":
         """From the engine's set-up model (batchgen.engine.startup.EngineSetup), as it is held in memory: packed or
         quantized weights are counted at their real size (they are no longer plain parameters, so the counts come
-        from the set-up's totals less the embedding table and the RoPE tables)."""
+        from the set-up's totals less the embedding table)."""
         model = setup.model
         embedding = model.model.embed_tokens.weight
         lm_head_params = model.vocab_size * embedding.shape[1]
         tied = model.variant.tie_word_embeddings
         matmul_params = setup.num_parameters - embedding.numel() + (lm_head_params if tied else 0)
-        rope_bytes = sum(t.numel() * t.element_size() for t in model.rotary_emb.buffers())
-        weight_bytes = setup.weights_bytes - rope_bytes - embedding.numel() * embedding.element_size()
+        weight_bytes = setup.weights_bytes - embedding.numel() * embedding.element_size()
         if getattr(model.lm_head, "weight", None) is embedding:  # a tied head that is the table itself, not a copy
             weight_bytes += embedding.numel() * embedding.element_size()
         return cls(model.num_layers, model.num_heads, model.head_dim, matmul_params, lm_head_params, weight_bytes,

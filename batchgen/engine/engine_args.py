@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from .errors import SettingError
 
+QUANTIZATIONS = ("int8",)  # batchgen/models/quantization.py implements them
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -47,6 +49,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto (Triton on CUDA, cpu on the CPU, torch where neither works) | torch |
     # triton | cpu (the C++ kernels: built on first use)
     seed: int = 0  # seeds the seeds drawn for requests that bring none
+    quantization: str | None = None  # None | int8 (int8 weights for every decoder Linear and the LM head)
 
     def cpu_kv_cache_memory(self) -> str | int:
         """The KV budget this engine takes on the CPU (what CPU-side baselines should be given)."""
@@ -78,6 +81,9 @@ class EngineArgs:
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise SettingError("gpu_memory_utilization",
                                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise SettingError("quantization", f"quantization must be null or one of {', '.join(QUANTIZATIONS)}; "
+                                               f"got {self.quantization!r}")
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -10,8 +10,9 @@ import torch
 
 from batchgen_kernels.elementwise import get_elementwise
 
-from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
-from ..models.packed_linear import model_bytes, pack_linears, packing_supported
+from ..models.loader import eos_token_ids, load_model, load_tokenizer, own_storage, resolve_model
+from ..models.accounting import num_parameters, weight_bytes
+from ..models.packed_linear import pack_linears, packing_supported
 from .cpu_features import DtypeChoice, auto_cpu_dtype
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs, parse_bytes
@@ -31,8 +32,8 @@ class EngineSetup:
     dtype: DtypeChoice
     tokenizer: Any
     model: torch.nn.Module
-    num_parameters: int  # counted before packing (a packed weight is no longer a Parameter); a tied head once
-    weights_bytes: int  # what the model holds in memory: parameters, buffers and packed weights
+    num_parameters: int  # as the checkpoint has them, a tied head once (models/accounting.py)
+    weights_bytes: int  # what the model holds: parameters, buffers and packed or int8 weights
     eos_token_ids: list[int]
     kv_pool: KVPoolSize
     max_model_len: int  # the shortest of: asked for, the model's context, what the KV cache holds
@@ -45,14 +46,11 @@ def set_up(args: EngineArgs) -> EngineSetup:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     logger.info("dtype %s", dtype.reason)
-    model = load_model(model_dir, dtype.dtype, device)
-    num_parameters = sum(p.numel() for p in model.parameters())
+    model = load_model(model_dir, dtype.dtype, device, args.quantization)
     if packing_supported(device, dtype.dtype):
         logger.info("linear layers: oneDNN, %d weights packed", pack_linears(model))
-        for param in model.parameters():  # the rest into memory of their own: the checkpoint's mapping can go
-            param.data = param.data.clone()
+        own_storage(model)
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
-    weights_bytes = model_bytes(model)
     eos = eos_token_ids(model_dir, tokenizer)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
     pool = kv_pool_size(model, args, dtype.dtype, device)
@@ -60,7 +58,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
     runner = ModelRunner(model, pool.num_blocks, args.block_size, dtype.dtype, device, eos, args.attention_backend)
     if device.type == "cuda" and not args.enforce_eager:
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device)
-    return EngineSetup(device, dtype, tokenizer, model, num_parameters, weights_bytes, eos, pool, max_model_len, runner)
+    return EngineSetup(device, dtype, tokenizer, model, num_parameters(model), weight_bytes(model), eos, pool,
+                       max_model_len, runner)
 
 
 def resolve_device(name: str) -> torch.device:

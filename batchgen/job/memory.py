@@ -4,7 +4,8 @@ the engine settings and the sampled prompts, without loading a weight.
 On the CPU the estimate is of peak RSS, the figure a run writes as `peak_memory_bytes`:
   baseline     this process's RSS once python, torch, transformers, pyarrow, the tokenizer and the model's
                (meta-device) modules are loaded: a run holds the same before its weights;
-  weights      every parameter at the run's dtype, plus the checkpoint pages that stay resident beside copies;
+  weights      every parameter at the run's dtype (int8 for the quantized ones with quantization: int8), plus
+               the checkpoint pages that stay resident beside copies;
   packed       where the CPU's linear layers are packed for oneDNN (models/packed_linear.py): a second copy of
                every matmul weight (the LM head too), which exists beside the plain weights while they are packed;
   KV pool      at most all of it: its pages become resident as its blocks are first used, and a long job
@@ -67,11 +68,13 @@ class WeightBytes:
     mapped: int  # checkpoint pages kept resident beside copies of them (CPU)
 
 
-def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool) -> tuple[ModelShape, WeightBytes]:
+def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool,
+                  quantization: str | None = None) -> tuple[ModelShape, WeightBytes]:
     """The model's shape (our modules, built on the meta device: no memory) and its weights' bytes (headers)."""
     from transformers import AutoConfig
 
     from batchgen.models.loader import checkpoint_sources
+    from batchgen.models.quantization import is_quantized
     from batchgen.models.registry import build_model, model_variant
 
     names = {name for file in sorted(Path(model_dir).glob("*.safetensors"))
@@ -85,8 +88,27 @@ def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool) -> tuple[Mo
             model = build_model(config, variant)
     except (ValueError, OSError) as exc:  # unsupported architecture, RoPE type or activation; unreadable config
         raise JobConfigError(f"model: {exc}") from None
-    used = {name: len(sources) > 1 for sources in checkpoint_sources(model).values() for name in sources}
-    return ModelShape.of(model), weight_bytes(model_dir, used, dtype, on_cpu)
+    quantized = quantization is not None
+    used = {name: TensorUse(len(sources) > 1, quantized and is_quantized(param))
+            for param, sources in checkpoint_sources(model).items() for name in sources}
+    shape = ModelShape.of(model)
+    weights = weight_bytes(model_dir, used, dtype, on_cpu)
+    if quantized and variant.tie_word_embeddings:  # the embedding stays; the LM head gets an int8 copy of it
+        weights = replace(weights, loaded=weights.loaded + int8_bytes(shape.vocab_size, shape.hidden_size))
+    return shape, weights
+
+
+@dataclass(frozen=True)
+class TensorUse:
+    """How the loader uses one checkpoint tensor."""
+    fused: bool  # concatenated with others (q/k/v, gate/up)
+    quantized: bool  # held as int8 (quantization: int8)
+
+
+def int8_bytes(rows: int, columns: int) -> int:
+    """An int8 matrix and its fp32 per-row scales (models/quantization.py)."""
+    from batchgen.models.quantization import SCALE_BYTES
+    return rows * columns + rows * SCALE_BYTES
 
 
 def read_safetensors_header(path: Path) -> dict:
@@ -104,15 +126,17 @@ def read_safetensors_header(path: Path) -> dict:
     return header
 
 
-def weight_bytes(model_dir: Path, used: dict[str, bool], dtype: torch.dtype, on_cpu: bool) -> WeightBytes:
-    """`used`: each checkpoint tensor the loader reads -> whether it is concatenated with others (q/k/v, gate/up).
+def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype, on_cpu: bool) -> WeightBytes:
+    """`used`: each checkpoint tensor the loader reads -> how it uses it.
 
     On the CPU the loader keeps a tensor whose dtype is already the run's as a view of the memory-mapped file (its
-    pages count once, when the first step touches them), and copies the others (fused or converted). A copied
-    tensor's pages stay resident beside the copy as long as the file stays mapped: while any view of it lives."""
+    pages count once, when the first step touches them), and copies the others (fused, converted or quantized). A
+    copied tensor's pages stay resident beside the copy as long as the file stays mapped: while any view of it
+    lives. A quantized matrix [out, in] is held as int8 with a scale per output row."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise JobConfigError(f"model: no *.safetensors weights in {model_dir}")
+    quantized = any(use.quantized for use in used.values())
     run_name, run_bytes = _SAFETENSORS_NAMES.get(dtype), torch.finfo(dtype).bits // 8
     parameters = loaded = mapped = 0
     dtypes: set[str] = set()
@@ -123,13 +147,14 @@ def weight_bytes(model_dir: Path, used: dict[str, bool], dtype: torch.dtype, on_
                 continue
             numel = math.prod(entry["shape"])
             parameters += numel
-            loaded += numel * run_bytes
+            use = used[name]
+            loaded += int8_bytes(entry["shape"][0], numel // entry["shape"][0]) if use.quantized else numel * run_bytes
             dtypes.add(entry["dtype"])
-            if used[name] or entry["dtype"] != run_name:
+            if use.fused or use.quantized or entry["dtype"] != run_name:
                 copied += entry["data_offsets"][1] - entry["data_offsets"][0]
             else:
                 viewed = True
-        if on_cpu and viewed:
+        if on_cpu and viewed and not quantized:  # the loader copies the views of a quantized model: no mapping stays
             mapped += copied
     return WeightBytes(len(files), parameters, tuple(sorted(dtypes)), loaded, mapped)
 

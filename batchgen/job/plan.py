@@ -90,7 +90,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     choice = resolve_dtype(config.dtype, device)
     dtype = choice.dtype
     model_dir, tokenizer, converted_now = load_model_files(config)
-    shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu")
+    shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu",
+                                           config.engine.quantization)
     baseline = memory.process_rss()  # what a run holds before its weights: see memory.py
     pool = size_kv_pool(config, shape, weights, dtype, device, rows_left)
     context = context_length(config.engine, shape.max_model_len, pool.num_blocks)
@@ -102,7 +103,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     kv_blocks = pool.num_blocks if device.type != "cpu" else kv_blocks_used(
         tokens, config.engine.block_size, inputs.total_rows, pool.num_blocks, config.engine.enable_prefix_caching)
     parts = {"weights": weights.loaded, "mapped": weights.mapped,
-             "packed": memory.packed_weight_bytes(shape, dtype) if packing_supported(device, dtype) else 0,
+             "packed": memory.packed_weight_bytes(shape, dtype)
+             if packing_supported(device, dtype) and not config.engine.quantization else 0,
              "kv": kv_blocks * pool.block_bytes, "activations": sum(activations.values())}
     if device.type == "cpu":
         parts["window"] = window_bytes(config, tokens, inputs.total_rows)

@@ -97,7 +97,8 @@ def _memory(plan: Plan) -> list[str]:
     size, kv = plan.dtype.name, plan.kv_pool
     explain = {
         "weights": f"{w.parameters:,} parameters, {'/'.join(w.checkpoint_dtypes)} in {w.files} safetensors "
-                   f"file(s) (headers), as {size}",
+                   f"file(s) (headers), as {size}" + (", the Linear layers and LM head as int8"
+                                                           if e.quantization else ""),
         "mapped": "checkpoint pages resident beside the fused q/k/v and gate/up (or converted) copies",
         "packed": "the matmul weights packed for oneDNN, beside the plain ones while they are packed",
         "kv": f"{plan.kv_blocks:,} of {kv.num_blocks:,} blocks x {e.block_size} tokens x {kv.bytes_per_token:,} B "

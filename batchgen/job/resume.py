@@ -81,7 +81,8 @@ def _refuse_changes(where: str, previous: dict, current: dict) -> None:
 
 def describe_changes(previous: dict, current: dict) -> str:
     """What differs between two fingerprints ('' when nothing): the keys, and for the input the file and how."""
-    keys = [key for key in current if key != "files" and previous.get(key) != current[key]]
+    # both sides' keys: a key present on one side only (quantization, when off) is a change too
+    keys = [key for key in {**current, **previous} if key != "files" and previous.get(key) != current.get(key)]
     changes = [f"{', '.join(keys)} changed"] if keys else []
     if previous.get("files") != current.get("files"):
         changes.append(files_change(previous.get("files") or [], current.get("files") or []))

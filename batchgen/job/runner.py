@@ -163,9 +163,9 @@ def check_kv_cache_memory(engine: EngineArgs) -> None:
 
 
 def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[str, Any]:
-    """What decides the rows' results (engine settings and sorting do not), the identity of each input file
-    included: a rewritten input is another job. The dtype is the one `auto` resolves to here: resuming on a
-    machine where it resolves to another would mix rows of both."""
+    """What decides the rows' results (engine settings other than quantization, and sorting, do not), the identity
+    of each input file included: a rewritten input is another job. The dtype is the one `auto` resolves to here:
+    resuming on a machine where it resolves to another would mix rows of both."""
     return {
         "model": model,
         "dtype": resolved_dtype(config).name,
@@ -173,6 +173,8 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[s
         "files": input_files(inputs),
         "sampling": config.to_dict()["sampling"],
         "keep_columns": list(config.output.keep_columns),
+        # int8 weights change the results; absent when off, so outputs written before the setting still resume
+        **({"quantization": config.engine.quantization} if config.engine.quantization else {}),
     }
 
 

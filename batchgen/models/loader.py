@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .llama import LlamaForCausalLM
+from .quantization import quantize_model
 from .registry import ModelError, UnsupportedModelError, build_model, model_variant
 
 logger = logging.getLogger("batchgen")
@@ -207,8 +208,10 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """Our model for the HF-style `model_dir`, its weights read from every *.safetensors shard, in eval mode."""
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
+               quantization: str | None = None) -> LlamaForCausalLM:
+    """Our model for the HF-style `model_dir`, its weights read from every *.safetensors shard, in eval mode;
+    with quantization "int8", its Linear layers int8 (models/quantization.py)."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
@@ -234,7 +237,20 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str) 
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             _set_parameter(model, param_name, tensor.to(device=device, dtype=dtype))
     model.tie_weights()
+    if quantization == "int8":
+        quantize_model(model)
+        if device.type == "cpu":
+            own_storage(model)
     return model.to(device).eval()
+
+
+def own_storage(model: nn.Module) -> None:
+    """Copy the parameters that may still be views of the memory-mapped checkpoint (those already in the run's
+    dtype: the embedding, the norms). While one view lives the file stays mapped, and with it every page that
+    quantizing or packing read: more resident memory than either saves."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            setattr(module, name, nn.Parameter(param.detach().clone(), requires_grad=False))
 
 
 def _build_on_meta(config, variant, model_dir: Path) -> LlamaForCausalLM:

@@ -49,9 +49,3 @@ def pack_linears(model: nn.Module) -> int:
         setattr(parent, leaf, PackedLinear(linear.weight, linear.bias))
     return len(targets)
 
-
-def model_bytes(model: nn.Module) -> int:
-    """Bytes of everything the model holds: parameters and buffers (a tied one once) and packed weights."""
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [m.packed_weight for m in model.modules() if isinstance(m, PackedLinear)]
-    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,108 @@
+"""Int8 weights for the decoder's Linear layers and the LM head (`EngineArgs.quantization: int8`).
+
+Each weight matrix [out, in] becomes int8 with one fp32 scale per output channel (symmetric: w ≈ q * scale,
+|q| <= 127). How the matmul runs depends on where:
+
+- CPU, the default: W8A8 dynamic. Each token's activations are quantized on the fly to int8 with one scale per
+  token, `torch._int_mm` multiplies int8 x int8 into int32 (oneDNN, VNNI where the CPU has it) and the two scales
+  rescale the result in fp32. On a 2-core AVX512-VNNI EPYC this was 3-6x faster than fp32 and 1.2-2x faster than
+  bf16 for the default model's decode shapes (scripts/microbench_int8.py).
+- CPU with bf16/fp16 activations and `weight_only`: `aten._weight_int8pack_mm` (the activations stay in the
+  model's dtype). It is fastest at one row but slower than bf16 from ~32 rows on, and with fp32 activations it is
+  6-35x slower than fp32 (no vectorised fp32 kernel), so it is not the default.
+- Other devices: the weight is dequantized to the activations' dtype for each matmul (correct anywhere; it saves
+  memory, not time).
+
+The embedding lookup keeps its matrix in the model's dtype; a tied LM head gets its own int8 copy of it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = ("dynamic_int8", "weight_only")
+# The Linear layers quantize_model replaces: these of every decoder layer, and the LM head.
+DECODER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+SCALE_BYTES = 4  # one fp32 scale per output channel
+
+
+def is_quantized(param_name: str) -> bool:
+    """Whether quantize_model turns this parameter (our model's name for it) into int8."""
+    if param_name == "lm_head.weight":
+        return True
+    module, _, leaf = param_name.rpartition(".")
+    return leaf == "weight" and module.startswith("model.layers.") and module.endswith(DECODER_LINEARS)
+
+
+def quantize_weight(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [out, in] int8, scale [out] in `scale_dtype`) with weight ≈ q * scale.
+    The scale is rounded to `scale_dtype` before q is computed from it, so that q * scale is the best the stored
+    scale allows."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny).to(scale_dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T + bias, for x [..., in] of any float dtype; y has x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activations: str = "dynamic_int8") -> None:
+        super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        self.activations = activations
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        q, scale = quantize_weight(weight, weight.dtype if activations == "weight_only" else torch.float32)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activations: str = "dynamic_int8") -> Int8Linear:
+        return cls(linear.weight, linear.bias, activations)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this layer multiplies by, [out, in]."""
+        return (self.qweight.float() * self.scale.float()[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x.device.type != "cpu":
+            out = F.linear(x2, self.dequantized(x.dtype))
+        elif self.activations == "dynamic_int8":
+            out = _dynamic_int8_matmul(x2, self.qweight, self.scale)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale.to(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"activations={self.activations}")
+
+
+def _dynamic_int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-token symmetric int8 activations x int8 weights -> int32, rescaled in fp32; x's dtype out."""
+    x32 = x.float()
+    x_scale = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12) / 127.0
+    xq = torch.round(x32 / x_scale).to(torch.int8)  # |x / x_scale| <= 127: no clamp needed
+    acc = torch._int_mm(xq, qweight.t())
+    return (acc.float() * x_scale * scale).to(x.dtype)
+
+
+def quantize_model(model: nn.Module, lm_head: bool = True, activations: str = "dynamic_int8") -> nn.Module:
+    """Replace every Linear of the decoder layers (qkv, o, gate_up, down) and, if `lm_head`, the LM head by an
+    Int8Linear, in place; the fp32/bf16 matrices they held are released (a tied LM head's is the embedding's,
+    which stays). Returns the model."""
+    for layer in model.model.layers:
+        for path in DECODER_LINEARS:
+            owner_name, _, name = path.rpartition(".")
+            owner = layer.get_submodule(owner_name)
+            setattr(owner, name, Int8Linear.from_linear(getattr(owner, name), activations))
+    if lm_head:
+        model.lm_head = Int8Linear.from_linear(model.lm_head, activations)
+    return model
+
