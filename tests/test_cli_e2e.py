@@ -40,6 +40,7 @@ def write_job(path: Path, job: dict) -> Path:
 def base_job(input_path: Path, output_path: Path, **sections) -> dict:
     job = {
         "model": "default",
+        "dtype": "float32",  # greedy rows compared across batch compositions: bf16's near-ties would flip
         "input": {"path": str(input_path), "id_column": "key", "system_prompt": SYSTEM},
         "sampling": {"max_tokens": 6, "temperature": 0.0},
         "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "kv_cache_memory": "64MiB",
