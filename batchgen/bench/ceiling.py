@@ -9,19 +9,31 @@ import time
 
 
 def matmul_flops(n: int = 2048, reps: int = 5, dtype: str = "float32") -> dict:
-    """Best-of-`reps` FLOP/s of an n x n matmul in `dtype`, with the thread count torch uses for everything else."""
+    """Best-of-`reps` FLOP/s of an n x n matmul in `dtype`, with the thread count torch uses for everything else:
+    the faster of torch's default matmul (`torch.mm`; MKL for fp32) and the oneDNN packed kernel batchgen's CPU
+    linear layers use (models/packed_linear.py), whichever the machine runs faster: that is its matmul rate."""
     import torch
+
+    from batchgen.models.packed_linear import PackedLinear, packing_supported
 
     torch_dtype = getattr(torch, dtype)
     a = torch.randn(n, n).to(torch_dtype)
     b = torch.randn(n, n).to(torch_dtype)
-    torch.mm(a, b)  # warm-up: thread pool, allocator, the kernel's packing buffers
-    best = float("inf")
-    for _ in range(reps):
-        started = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
-    return {"dtype": dtype, "matmul_n": n, "reps": reps, "best_s": best, "flops": 2 * n**3 / best,
+    kernels = {"torch.mm": lambda: torch.mm(a, b)}
+    if packing_supported(torch.device("cpu"), torch_dtype):
+        packed = PackedLinear(b, None)
+        kernels["onednn packed"] = lambda: packed(a)
+    best = {}
+    for name, run in kernels.items():
+        run()  # warm-up: thread pool, allocator, the kernel's packing buffers
+        best[name] = float("inf")
+        for _ in range(reps):
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - started)
+    kernel = min(best, key=best.get)
+    return {"dtype": dtype, "matmul_n": n, "reps": reps, "best_s": best[kernel], "flops": 2 * n**3 / best[kernel],
+            "kernel": kernel, "by_kernel_flops": {k: 2 * n**3 / s for k, s in best.items()},
             "threads": torch.get_num_threads()}
 
 

@@ -194,7 +194,8 @@ def format_table(record: dict[str, Any]) -> str:
     ceiling = record["ceiling"]
     parts.append(f"  machine ceiling: {ceiling['flops'] / 1e9:,.1f} GFLOP/s "
                  f"({short_dtype(ceiling.get('dtype', 'float32'))} {ceiling['matmul_n']}x"
-                 f"{ceiling['matmul_n']} matmul, best of {ceiling['reps']})")
+                 f"{ceiling['matmul_n']} matmul, best of {ceiling['reps']}"
+                 + (f", {ceiling['kernel']}" if "kernel" in ceiling else "") + ")")
     decode = record.get("decode")
     if decode:
         parts.append(f"  {reference} during decode: {decode['decode_flops'] / 1e9:,.2f} GFLOP/s = "
