@@ -50,14 +50,20 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     v = _gather(v_cache, block_table, seq_len).to(q.dtype)
     kv_heads = k.shape[1]
     group = q_heads // kv_heads
-    if q_len == seq_len:  # a whole prompt: plain causal attention (torch's flash kernel)
+    if q_len == seq_len or q.dtype == torch.float32:
+        # torch's flash kernel (4-D inputs: 3-D ones take SDPA's slow math path, 4.4x slower at 1,024 tokens). After
+        # a cached prefix, query j sits at absolute position seq_len - q_len + j and sees keys up to there (a mask).
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, scale=scale)
-        return out.transpose(0, 1)
-    # After a cached prefix: query j sits at absolute position seq_len - q_len + j and sees keys up to there. Written
-    # out as two batched matmuls per KV head (its query heads stacked), which on the CPU beats SDPA's masked path.
+        mask = None
+        if q_len != seq_len:
+            rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             attn_mask=mask, is_causal=mask is None, scale=scale)
+        return out[0].transpose(0, 1)
+    # 16-bit after a cached prefix: two batched matmuls per KV head (its query heads stacked) beat the masked flash
+    # kernel ~2x on the CPU (scripts/microbench_attention.py prefill); in fp32 (MKL's bmm) it is the other way round.
     qg = q.view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, dim)
     scores = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scale).view(kv_heads, group, q_len, seq_len)
     rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
