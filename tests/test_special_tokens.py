@@ -278,7 +278,8 @@ def test_cli_run_tokenizes_injected_text_as_text(tmp_path, smollm, default_model
     clean = "What is the capital of Australia?"
     pq.write_table(pa.table({"key": ["clean", "evil"], "prompt": [clean, INJECTION]}), tmp_path / "in.parquet")
     engine_keys = {"max_num_seqs": 2, "kv_cache_memory": "64MiB", "max_model_len": 256}
-    job = {"model": "default", "input": {"path": str(tmp_path / "in.parquet"), "id_column": "key"},
+    job = {"model": "default", "dtype": "float32",  # compared with an engine run alone: bf16 near-ties could flip
+           "input": {"path": str(tmp_path / "in.parquet"), "id_column": "key"},
            "sampling": {"max_tokens": 8, "temperature": 0.0}, "engine": engine_keys,
            "output": {"path": str(tmp_path / "out")}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
@@ -294,6 +295,6 @@ def test_cli_run_tokenizes_injected_text_as_text(tmp_path, smollm, default_model
     assert out["evil"]["finish_reason"] in ("stop", "length") and out["evil"]["error"] is None
 
     assert ids["clean"] == old_ids(smollm, user(clean)) and out["clean"]["prompt_tokens"] == len(ids["clean"])
-    engine = Engine(EngineArgs(model=str(default_model_dir), **engine_keys))
+    engine = Engine(EngineArgs(model=str(default_model_dir), dtype="float32", **engine_keys))
     [before] = engine.generate([Request("clean", ids["clean"], SamplingParams(max_tokens=8, temperature=0.0))])
     assert (out["clean"]["text"], out["clean"]["output_tokens"]) == (before.text, len(before.token_ids))
