@@ -217,27 +217,3 @@ def test_engine_greedy_output_equals_the_torch_backend(request, model_fixture, c
     assert outputs["cpu"] == outputs["torch"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
-
-@pytest.mark.parametrize("dtype", [torch.float32])  # the padded call is the fp32 path
-def test_padded_prefills_equal_one_sequence_at_a_time(dtype):
-    """Several prefill chunks of one step (whole prompts and chunks after a cached prefix) in one padded call."""
-    from batchgen_kernels import AttentionMetadata, reference
-
-    g = torch.Generator().manual_seed(0)
-    block_size, kv_heads, heads, dim, num_blocks = 16, 2, 6, 32, 64
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
-    query_lens, seq_lens = [1, 40, 37, 33, 45], [70, 40, 90, 100, 45]  # a decode first, then four prefills
-    tables = torch.randperm(num_blocks, generator=g)[: 5 * 8].view(5, 8).to(torch.int32)
-    md = AttentionMetadata.build(query_lens, seq_lens, tables, torch.zeros(sum(query_lens), dtype=torch.long), "cpu")
-    q = torch.randn(sum(query_lens), heads, dim, generator=g).to(dtype)
-    padded = torch.zeros_like(q)
-    reference.paged_prefills(q, k_cache, v_cache, md, 0.2, padded)
-    one_by_one = torch.zeros_like(q)
-    start = 1
-    for i in range(1, 5):
-        end = start + query_lens[i]
-        one_by_one[start:end] = reference.paged_prefill(q[start:end], k_cache, v_cache, tables[i], seq_lens[i], 0.2)
-        start = end
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(padded[1:].float(), one_by_one[1:].float(), rtol=tolerance, atol=tolerance)

@@ -4,7 +4,6 @@ Cache layout (per layer): k_cache, v_cache of shape [num_blocks, block_size, num
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -88,51 +87,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
                    scale: float, out: torch.Tensor) -> None:
-    """The prefill rows of a step (those after its md.num_decodes decodes) into `out`: in fp32 in one padded
-    attention call when padding wastes little (flash kernel), else one sequence at a time (in 16-bit the per-sequence
-    bmm path measured faster than the padded flash call: labeling bf16 5.2-5.4 s against 6.2 s)."""
-    first, query_lens, seq_lens = md.num_decodes, md.query_lens_cpu[md.num_decodes:], md.seq_lens_cpu[md.num_decodes:]
-    padded = len(query_lens) * max(query_lens, default=0) * max(seq_lens, default=0)
-    if q.dtype == torch.float32 and len(query_lens) > 1 and padded <= PADDING_LIMIT * sum(n * s for n, s in zip(query_lens, seq_lens)):
-        start = sum(md.query_lens_cpu[:first])
-        out[start:] = _padded_prefills(q[start:], k_cache, v_cache, md.block_tables[first:], query_lens, seq_lens,
-                                       scale)
-        return
-    start = first
-    for i in range(first, md.num_seqs):
+    """The prefill rows of a step (those after its md.num_decodes decodes) into `out`, one sequence at a time."""
+    start = md.num_decodes
+    for i in range(md.num_decodes, md.num_seqs):
         end = start + md.query_lens_cpu[i]
         out[start:end] = paged_prefill(q[start:end], k_cache, v_cache, md.block_tables[i], md.seq_lens_cpu[i], scale)
         start = end
-
-
-# Batch a step's prefills into one call while the padded score matrix is at most this many times the real one.
-# A labeling step (35 rows of ~118 new tokens over ~360 cached) runs one call instead of 35 per layer (fp32: ~5%
-# faster in all, profiled).
-PADDING_LIMIT = 1.5
-
-
-def _padded_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     query_lens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
-    """Prefill rows of several sequences ([sum(query_lens), Hq, D], end to end) as one [B, H, Lq, Lk] attention:
-    queries padded to the longest chunk, keys gathered up to the longest context, a mask for causality and padding."""
-    batch, q_max, k_max = len(query_lens), max(query_lens), max(seq_lens)
-    _, q_heads, dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    table = block_tables[:, : -(-k_max // block_size)]
-    k = k_cache[table].flatten(1, 2)[:, :k_max].to(q.dtype)  # [B, Lk, Hkv, D]
-    v = v_cache[table].flatten(1, 2)[:, :k_max].to(q.dtype)
-    if q_heads != kv_heads:
-        k, v = k.repeat_interleave(q_heads // kv_heads, dim=2), v.repeat_interleave(q_heads // kv_heads, dim=2)
-    seq_of = np.repeat(np.arange(batch), query_lens)  # each query row's sequence and place in its chunk
-    place = np.arange(len(seq_of)) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
-    seq_of_t, place_t = torch.from_numpy(seq_of).to(q.device), torch.from_numpy(place).to(q.device)
-    padded_q = q.new_zeros(batch, q_max, q_heads, dim)
-    padded_q[seq_of_t, place_t] = q
-    # Query j of sequence b sits at position seq_len - query_len + j; padding rows get the last position (no NaN).
-    offsets = torch.tensor([s - n for n, s in zip(query_lens, seq_lens)], device=q.device)
-    positions = (offsets[:, None] + torch.arange(q_max, device=q.device)[None, :]).minimum(
-        torch.tensor(seq_lens, device=q.device)[:, None] - 1)
-    mask = torch.arange(k_max, device=q.device)[None, None, :] <= positions[:, :, None]  # [B, Lq, Lk]
-    attended = F.scaled_dot_product_attention(padded_q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              attn_mask=mask[:, None], scale=scale)
-    return attended.transpose(1, 2)[seq_of_t, place_t]
