@@ -36,8 +36,10 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--workload", choices=["labeling", "generation", "mixed"], help="a `batchgen bench` workload")
     ap.add_argument("--torch-profile", action="store_true")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--torch-profile-run", action="store_true", help="torch's operator table over the whole run")
     args = ap.parse_args()
-    engine = Engine(EngineArgs(model="default", max_num_seqs=args.max_num_seqs))
+    engine = Engine(EngineArgs(model="default", dtype=args.dtype, max_num_seqs=args.max_num_seqs))
     timers = defaultdict(float)
     counts = defaultdict(int)
 
@@ -77,16 +79,22 @@ def main():
     else:
         rows = prompts(engine.tokenizer, args.rows, 0, args.min_words, args.max_words)
         requests = [Request(i, p, params) for i, p in enumerate(rows)]
+    from contextlib import nullcontext
+
+    from torch.profiler import ProfilerActivity, profile
+    profiler = profile(activities=[ProfilerActivity.CPU]) if args.torch_profile_run else nullcontext()
     t = time.perf_counter()
-    results = list(engine.generate(requests))
+    with profiler:
+        results = list(engine.generate(requests))
     wall = time.perf_counter() - t
     out_tokens = sum(r.output_tokens for r in results)
     print(f"rows {len(results)}  prompt tokens {sum(r.prompt_tokens for r in results)}  output tokens {out_tokens}  "
           f"steps {engine.num_steps}  wall {wall:.2f}s  output tok/s {out_tokens / wall:.1f}")
     for key, value in sorted(timers.items(), key=lambda kv: -kv[1]):
         print(f"  {key:20s} {value:8.2f}s  {100 * value / wall:5.1f}%  calls {counts[key]}")
+    if args.torch_profile_run:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     if args.torch_profile:
-        from torch.profiler import ProfilerActivity, profile
         for i, p in enumerate(rows):  # a fresh batch: run its prefills, then profile pure decode steps
             engine.add_request(Request(10_000 + i, p, params))
         engine.step()

@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(rows)} prompts of {lengths[0]}-{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}), "
           f"greedy, up to {args.max_tokens} new tokens; perplexity over {len(windows)} windows of {args.window} "
           f"tokens ({len(windows) * args.window:,} tokens of docs/*.md and batchgen/**/*.py)", flush=True)
-    print(f"| dtype | model | weights MiB | perplexity | identical rows | mean first divergence (of diverged) |")
-    print(f"|---|---|---:|---:|---:|---:|")
+    print("| dtype | model | weights MiB | perplexity | identical rows | mean first divergence (of diverged) |")
+    print("|---|---|---:|---:|---:|---:|")
     bases = {}
     for dtype in args.dtype:
         base = bases[dtype] = evaluate(dtype, None, rows, windows, args.max_tokens)
