@@ -51,8 +51,10 @@ def set_up(args: EngineArgs) -> EngineSetup:
         logger.warning("quantization int8: weights and (on the CPU) activations in int8; on the default model this "
                        "raised perplexity by ~4%% and changed most greedy outputs (README, Performance)")
     if packing_supported(device, dtype.dtype):
-        logger.info("linear layers: oneDNN, %d weights packed", pack_linears(model))
-        own_storage(model)
+        packed = pack_linears(model)  # 0 with int8, whose loader already released the checkpoint's pages
+        logger.info("linear layers: oneDNN, %d weights packed", packed)
+        if packed:
+            own_storage(model)
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     eos = eos_token_ids(model_dir, tokenizer)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
