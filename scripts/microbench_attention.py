@@ -4,7 +4,10 @@
   mlp:     SwiGLU MLP of the default model at a 4,096- vs 2,048-token step
   cpu:     decode through the torch reference (gather, then SDPA) vs the C++ kernel that reads K/V in place, at
            batch 1-256 x contexts 128/1024, fp32 and bf16: time, ratio and GB/s of K/V read (not in the default set)
-Usage: python scripts/microbench_attention.py [decode|prefill|mlp|cpu ...]"""
+  cpu-prefill: a step's prefills through the torch reference (per sequence: gather, then SDPA or two bmm) vs the
+           C++ kernel (all sequences in one call, K/V read in place), fp32 and bf16: labeling-like prompts after a
+           cached prefix, whole prompts, one long prompt; time, ratio and GFLOP/s (not in the default set)
+Usage: python scripts/microbench_attention.py [decode|prefill|mlp|cpu|cpu-prefill ...]"""
 from __future__ import annotations
 
 import random
@@ -70,6 +73,14 @@ def best_ms(fn, clock=time.perf_counter, seconds=1.0, rounds=5) -> float:
     return best * 1e3
 
 
+def one_thread_then_all(reference, kernel, threads: int) -> tuple[float, float, float, float]:
+    """Both on one thread by CPU time, then on `threads` threads by wall time (ms, best of 5 each)."""
+    torch.set_num_threads(1)
+    ref_1, kernel_1 = best_ms(reference, time.thread_time), best_ms(kernel, time.thread_time)
+    torch.set_num_threads(threads)
+    return ref_1, kernel_1, best_ms(reference), best_ms(kernel)
+
+
 def cpu() -> None:
     """Each case twice: on one thread timed by its CPU time (time.thread_time: robust on a shared, overloaded
     machine, where wall time mostly measures the other processes), and on torch's threads by wall time."""
@@ -106,13 +117,61 @@ def cpu() -> None:
 
                 torch.testing.assert_close(kernel().float(), reference().float(), atol=3e-2, rtol=3e-2)
                 gigabytes = sum(lens) * KV_HEADS * DIM * 2 * k_cache.element_size() / 1e9
-                torch.set_num_threads(1)
-                ref_1, kernel_1 = best_ms(reference, time.thread_time), best_ms(kernel, time.thread_time)
-                torch.set_num_threads(threads)
-                ref_n, kernel_n = best_ms(reference), best_ms(kernel)
+                ref_1, kernel_1, ref_n, kernel_n = one_thread_then_all(reference, kernel, threads)
                 print(f"{str(dtype)[6:]:>8} {batch:>5} {context:>7} | {ref_1:>8.3f} {kernel_1:>9.3f} "
                       f"{ref_1 / kernel_1:>6.2f}x {gigabytes / ref_1 * 1e3:>8.1f} {gigabytes / kernel_1 * 1e3:>9.1f} | "
                       f"{ref_n:>8.3f} {kernel_n:>9.3f} {ref_n / kernel_n:>6.2f}x {gigabytes / kernel_n * 1e3:>9.1f}")
+
+
+def prefill_flops(query_lens: list[int], seq_lens: list[int]) -> int:
+    """QK^T and PV multiply-adds of causal attention over the visible keys: 4 x head_dim per (query head, key)."""
+    visible = sum(q_len * (s_len - q_len) + q_len * (q_len + 1) // 2 for q_len, s_len in zip(query_lens, seq_lens))
+    return 4 * DIM * KV_HEADS * GROUP * visible
+
+
+def cpu_prefill() -> None:
+    """Like cpu(): one thread by CPU time, then torch's threads by wall time."""
+    from batchgen_kernels import cpu_backend
+
+    if not cpu_backend.available():
+        sys.exit("the C++ CPU kernels could not be built (see the warning above)")
+    threads = torch.get_num_threads()
+    print(f"prefill, one layer ({KV_HEADS} kv heads x {GROUP} query heads each, head_dim {DIM}, block {BLOCK}); "
+          "reference = reference.paged_prefills, kernel = cpu_backend.paged_prefills")
+    print(f"{'':>38} | {'1 thread, CPU time (best of 5)':^38} | {f'{threads} threads, wall time (best of 5)':^38}")
+    print(f"{'dtype':>8} {'case':>29} | {'ref ms':>8} {'kernel ms':>9} {'speedup':>7} {'GFLOP/s':>8} | "
+          f"{'ref ms':>8} {'kernel ms':>9} {'speedup':>7} {'GFLOP/s':>8}")
+    cases = {"8 x 104 new after 280 cached": ([104] * 8, [384] * 8), "4 x 400 whole prompts": ([400] * 4, [400] * 4),
+             "1 x 1,024 whole prompt": ([1024], [1024]), "1 x 256 chunk after 1,792": ([256], [2048])}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (query_lens, seq_lens) in cases.items():
+            widths = [-(-n // BLOCK) for n in seq_lens]
+            num_blocks = sum(widths) + 16
+            k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+            v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+            ids = torch.randperm(num_blocks).int()
+            table = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
+            for row, width in enumerate(widths):
+                table[row, :width] = ids[sum(widths[:row]):sum(widths[:row]) + width]
+            q = torch.randn(sum(query_lens), KV_HEADS * GROUP, DIM).to(dtype)
+            md = AttentionMetadata.build(query_lens, seq_lens, table, torch.zeros(q.shape[0], dtype=torch.int64), "cpu")
+            out = torch.empty_like(q)
+
+            def reference():
+                ref.paged_prefills(q, k_cache, v_cache, md, DIM ** -0.5, out)
+                return out
+
+            def kernel():
+                cpu_backend.paged_prefills(q, k_cache, v_cache, md, DIM ** -0.5, out)
+                return out
+
+            expected = reference().clone()
+            torch.testing.assert_close(kernel().float(), expected.float(), atol=3e-2, rtol=3e-2)
+            gflop = prefill_flops(query_lens, seq_lens) / 1e9
+            ref_1, kernel_1, ref_n, kernel_n = one_thread_then_all(reference, kernel, threads)
+            print(f"{str(dtype)[6:]:>8} {name:>29} | {ref_1:>8.2f} {kernel_1:>9.2f} {ref_1 / kernel_1:>6.2f}x "
+                  f"{gflop / kernel_1 * 1e3:>8.0f} | {ref_n:>8.2f} {kernel_n:>9.2f} {ref_n / kernel_n:>6.2f}x "
+                  f"{gflop / kernel_n * 1e3:>8.0f}")
 
 
 def prefill() -> None:
@@ -152,5 +211,12 @@ def mlp() -> None:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["decode", "prefill", "mlp"]:
-        {"decode": decode, "prefill": prefill, "mlp": mlp, "cpu": cpu}[name]()
+    BENCHMARKS = {"decode": decode, "prefill": prefill, "mlp": mlp, "cpu": cpu, "cpu-prefill": cpu_prefill}
+    names = sys.argv[1:] or ["decode", "prefill", "mlp"]
+    if any(name in ("-h", "--help") for name in names):
+        print(__doc__)
+        sys.exit(0)
+    if any(name not in BENCHMARKS for name in names):
+        sys.exit(__doc__)
+    for name in names:
+        BENCHMARKS[name]()

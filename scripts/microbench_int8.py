@@ -62,7 +62,7 @@ def matmuls(repeats: int) -> None:
 
 def engine_run(rows: int, max_tokens: int, repeats: int) -> None:
     from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
-    from batchgen.models.quantization import weight_bytes
+    from batchgen.models.accounting import weight_bytes
     from scripts.quant_quality import prompts
 
     configs = {"fp32": ("float32", None), "fp32 + int8": ("float32", "int8"),

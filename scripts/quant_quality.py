@@ -29,7 +29,8 @@ from batchgen.engine.engine import Engine
 from batchgen.engine.engine_args import EngineArgs
 from batchgen.engine.request import Request, SamplingParams
 from batchgen.models.loader import load_tokenizer, resolve_model
-from batchgen.models.quantization import quantize_model, weight_bytes
+from batchgen.models.accounting import weight_bytes
+from batchgen.models.quantization import quantize_model
 from batchgen_kernels import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,19 +1,20 @@
-"""The CPU attention backend: the reference's interface (`store_kv`, `paged_attention`) with every decode row of a
-step in one call of the C++ kernel (csrc/paged_decode_cpu.cpp), which reads K/V in place instead of gathering them.
-Prefills and stores are the reference's.
+"""The CPU attention backend: the reference's interface (`store_kv`, `paged_attention`) with a step's decode rows in
+one call of one C++ kernel (csrc/paged_decode_cpu.cpp) and its prefill rows in one call of another
+(csrc/paged_prefill_cpu.cpp); both read K/V in place through the block tables instead of gathering them. Stores are
+the reference's.
 
-`get_backend` hands this module out only after `cpu_build.load()` succeeded, so torch.ops.batchgen.paged_decode
-exists whenever paged_attention runs.
+`get_backend` hands this module out only after `cpu_build.load()` succeeded, so the torch.ops.batchgen kernels exist
+whenever paged_attention runs.
 """
 from __future__ import annotations
 
 import torch
 
-from . import cpu_build
+from . import cpu_build, reference
 from .metadata import AttentionMetadata
-from .reference import paged_prefills, store_kv
+from .reference import store_kv
 
-__all__ = ["available", "paged_attention", "paged_decode", "store_kv"]
+__all__ = ["available", "paged_attention", "paged_decode", "paged_prefills", "store_kv"]
 
 
 def available() -> bool:
@@ -27,13 +28,25 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return torch.ops.batchgen.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
+def paged_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                   scale: float, out: torch.Tensor) -> None:
+    """The prefill rows of a step (those of sequences md.num_decodes onwards) into `out` ([T, Hq, D], contiguous):
+    each attends causally to its sequence's whole cached context, prefix included. The kernel takes q in the cache's
+    dtype; any other pairing goes to the reference."""
+    if q.dtype != k_cache.dtype:
+        reference.paged_prefills(q, k_cache, v_cache, md, scale, out)
+        return
+    torch.ops.batchgen.paged_prefill_(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                      md.num_decodes, scale, out)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """Attention for a whole varlen step ([T, Hq, D]): one kernel call for the decodes, prefills one by one."""
+    """Attention for a whole varlen step ([T, Hq, D]): one kernel call for the decodes, one for the prefills."""
     nd = md.num_decodes
     if nd == md.num_seqs:  # a decode-only step: the kernel's output is the whole answer
         return paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = paged_decode(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale)
     paged_prefills(q, k_cache, v_cache, md, scale, out)

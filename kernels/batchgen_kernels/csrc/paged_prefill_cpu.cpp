@@ -1,0 +1,401 @@
+// Paged-attention prefill on the CPU: every prefill (or prefill chunk) of a step in one call, reading K/V in place
+// through the block tables, so a prompt that follows a cached prefix attends to it without a gather copy or a mask.
+//
+// One work item per (sequence, kv head), or per part of its query rows when there are too few items to keep every
+// thread busy: it packs the keys its rows can see (0 .. its last position) once, as fp32 — K transposed in tiles of
+// kKeys so that one vector holds 16 keys' scores, V as rows — then takes its queries kRows positions at a time, the
+// `group` query heads of the kv head together (each packed K/V tile serves kRows x group rows), flash-attention
+// style: scores for a tile by broadcast-multiply-adds over head_dim (as in a GEMM micro-kernel), a causal bound per
+// row (query j of a sequence of `len` tokens with `q_len` new ones sits at len - q_len + j), an online softmax, then
+// probabilities x V accumulated in registers. Only keys at positions < seq_len are read. Items are handed out
+// longest first (dynamic schedule): their costs differ by the length of their key range.
+// Registered as torch.ops.batchgen.paged_prefill_ (writes into `out`; its fake implementation is in Python).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "fast_exp.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 32;  // query positions attended together
+constexpr int64_t kKeys = 32;  // keys per tile: kKeys / 16 vectors of scores per query row
+constexpr int kVecs = kKeys / 16;
+constexpr int64_t kPrefetch = 8;  // keys ahead whose K/V rows pack() requests early
+
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef int32_t Int16 __attribute__((vector_size(64)));
+
+// Rows per register block: AVX-512 has 32 vector registers, AVX2 16 (and a Vec16 takes two of them).
+#ifdef __AVX512F__
+constexpr int kScoreRows = 8, kValueRows = 4;  // 16 score and 16 value accumulators
+#else
+constexpr int kScoreRows = 1, kValueRows = 2;
+#endif
+
+// fast_exp.h's arithmetic on 16 lanes at once (round to nearest by the 1.5 * 2^23 trick instead of nearbyint).
+inline Vec16 exp16(Vec16 x) {
+  x = x < -87.0f ? Vec16{} - 87.0f : x;
+  x = x > 88.0f ? Vec16{} + 88.0f : x;
+  const Vec16 t = x * 1.44269504088896341f;
+  const Vec16 n = (t + 12582912.0f) - 12582912.0f;
+  const Vec16 p = exp2_fraction(t - n);
+  const Int16 bits = (__builtin_convertvector(n, Int16) + 127) << 23;
+  Vec16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+
+// Horizontal max and sum by halving the vector: a short tree, not a chain of 15 dependent steps.
+inline float max_lanes(Vec16 v) {
+  const Vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const Vec8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec8 h = a > b ? a : b;
+  const Vec4 c = __builtin_shufflevector(h, h, 0, 1, 2, 3), d = __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  const Vec4 q = c > d ? c : d;
+  return std::max(std::max(q[0], q[1]), std::max(q[2], q[3]));
+}
+
+inline float sum_lanes(Vec16 v) {
+  const Vec8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof v); }
+
+template <typename T>
+inline float as_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <>
+inline float as_float<c10::BFloat16>(c10::BFloat16 x) {  // the top half of an fp32: a shift
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct Item {
+  int32_t seq, head;
+  int32_t row_begin, row_end;  // the item's query rows, counted within the sequence's new tokens
+  int64_t cost;                // score elements it computes (to hand out the longest first)
+};
+
+struct Scratch {  // one per thread; the packed K/V grow to the longest key range an item of the thread needs
+  std::vector<float> q, kt, v, s, acc, run_max, run_sum;
+  Scratch(int64_t rows, int64_t dim, int64_t padded_dim)
+      : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), run_max(rows), run_sum(rows) {}
+};
+
+// s[r][0:kKeys] = q[r] . keys, for R rows at a time; kt holds the tile's keys transposed, [dim][kKeys].
+template <int R>
+inline void score_rows(const float* q, const float* kt, float* s, int64_t dim) {
+  Vec16 acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = Vec16{};
+  for (int64_t d = 0; d < dim; ++d) {
+    Vec16 k[kVecs];
+    for (int c = 0; c < kVecs; ++c) {
+      k[c] = load16(kt + d * kKeys + 16 * c);
+      asm("" : "+v"(k[c]));  // in a register, not folded into (and reloaded by) each row's multiply-add
+    }
+    for (int r = 0; r < R; ++r) {
+      const float x = q[r * dim + d];
+      for (int c = 0; c < kVecs; ++c) acc[r][c] += x * k[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kVecs; ++c) store16(s + r * kKeys + 16 * c, acc[r][c]);
+}
+
+// acc[r][offset : offset + 16 C] += sum over t < n of p[r][t] * v[t][same range], for R rows, in registers.
+template <int R, int C>
+inline void accumulate_rows(float* acc, const float* p, const float* v, int64_t n, int64_t padded_dim,
+                            int64_t offset) {
+  Vec16 sums[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r][c] = load16(acc + r * padded_dim + offset + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    Vec16 row[C];
+    for (int c = 0; c < C; ++c) {
+      row[c] = load16(v + t * padded_dim + offset + 16 * c);
+      asm("" : "+v"(row[c]));  // keep the row in a register: folded into each multiply-add it would be loaded R times
+    }
+    for (int r = 0; r < R; ++r) {
+      const float w = p[r * kKeys + t];
+      for (int c = 0; c < C; ++c) sums[r][c] += w * row[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store16(acc + r * padded_dim + offset + 16 * c, sums[r][c]);
+}
+
+template <int R>
+inline void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t padded_dim) {
+  int64_t offset = 0;
+  for (; offset + 64 <= padded_dim; offset += 64) accumulate_rows<R, 4>(acc, p, v, n, padded_dim, offset);
+  for (; offset < padded_dim; offset += 16) accumulate_rows<R, 1>(acc, p, v, n, padded_dim, offset);
+}
+
+template <typename QT, typename KV>
+struct Prefill {
+  const QT* q;
+  int64_t q_stride0, q_stride1;
+  const KV *k_base, *v_base;
+  int64_t block_size, kv_heads, dim, padded_dim, group;
+  const int32_t *tables, *lens, *starts;
+  int64_t table_stride;
+  float scale;
+  QT* out;  // [T, Hq, D] contiguous
+
+  const KV* cache_row(const KV* base, int64_t seq, int64_t head, int64_t pos) const {
+    const int64_t block = tables[seq * table_stride + pos / block_size];
+    return base + ((block * block_size + pos % block_size) * kv_heads + head) * dim;
+  }
+
+  // Keys [0, key_end) of one head as fp32, in tiles of kKeys: K transposed (tile t at kt + t * dim * kKeys, [dim][kKeys])
+  // and V as rows (v + key * padded_dim), zeros past key_end and past dim. Packed once per item and read by all of
+  // its query tiles, from the thread's cache rather than from wherever the blocks lie.
+  void prefetch(const KV* row) const {
+    const char* bytes = reinterpret_cast<const char*>(row);
+    for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(KV)); offset += 64)
+      __builtin_prefetch(bytes + offset, 0, 3);
+  }
+
+  void pack(int64_t seq, int64_t head, int64_t key_end, Scratch& w) const {
+    const int64_t tiles = (key_end + kKeys - 1) / kKeys;
+    if (static_cast<int64_t>(w.kt.size()) < tiles * kKeys * dim) {
+      w.kt.resize(tiles * kKeys * dim);
+      w.v.resize(tiles * kKeys * padded_dim);
+    }
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      float* kt = w.kt.data() + tile * kKeys * dim;
+      for (int64_t t = 0; t < kKeys; ++t) {
+        const int64_t key = tile * kKeys + t;
+        float* v_dst = w.v.data() + key * padded_dim;
+        if (key + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
+          prefetch(cache_row(k_base, seq, head, key + kPrefetch));
+          prefetch(cache_row(v_base, seq, head, key + kPrefetch));
+        }
+        if (key < key_end) {
+          const KV* k_row = cache_row(k_base, seq, head, key);
+          const KV* v_row = cache_row(v_base, seq, head, key);
+          for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + t] = as_float(k_row[d]);
+          for (int64_t d = 0; d < dim; ++d) v_dst[d] = as_float(v_row[d]);
+          for (int64_t d = dim; d < padded_dim; ++d) v_dst[d] = 0.0f;
+        } else {
+          for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + t] = 0.0f;
+          for (int64_t d = 0; d < padded_dim; ++d) v_dst[d] = 0.0f;
+        }
+      }
+    }
+  }
+
+  void run(const Item& item, Scratch& w) const {
+    const int64_t seq = item.seq, head = item.head;
+    const int64_t q_len = starts[seq + 1] - starts[seq], len = lens[seq];
+    pack(seq, head, len - q_len + item.row_end, w);
+    for (int64_t row = item.row_begin; row < item.row_end; row += kRows) attend(seq, head, row, w);
+  }
+
+  // The query tile of up to kRows positions starting at `first_row` (within the sequence's new tokens), all `group`
+  // heads of kv head `head`, against the packed keys.
+  void attend(int64_t seq, int64_t head, int64_t first_row, Scratch& w) const {
+    const int64_t q_len = starts[seq + 1] - starts[seq], len = lens[seq];
+    const int64_t positions = std::min(kRows, q_len - first_row);
+    const int64_t first_pos = len - q_len + first_row;  // absolute position of the tile's first query
+    const int64_t rows = positions * group;             // row m = position (m / group), head (m % group)
+    for (int64_t r = 0; r < positions; ++r)
+      for (int64_t g = 0; g < group; ++g) {
+        const QT* src = q + (starts[seq] + first_row + r) * q_stride0 + (head * group + g) * q_stride1;
+        float* dst = w.q.data() + (r * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = as_float(src[d]) * scale;
+      }
+    std::fill(w.acc.begin(), w.acc.begin() + rows * padded_dim, 0.0f);
+    std::fill(w.run_max.begin(), w.run_max.begin() + rows, -std::numeric_limits<float>::infinity());
+    std::fill(w.run_sum.begin(), w.run_sum.begin() + rows, 0.0f);
+
+    const int64_t key_end = first_pos + positions;  // keys [0, key_end) are visible to some row of the tile
+    for (int64_t start = 0; start < key_end; start += kKeys) {
+      const int64_t n = std::min(kKeys, key_end - start);
+      const float* kt = w.kt.data() + start * dim;  // the tile's [dim][kKeys] block
+      const float* v = w.v.data() + start * padded_dim;
+      int64_t m = 0;
+      for (; m + kScoreRows <= rows; m += kScoreRows)
+        score_rows<kScoreRows>(w.q.data() + m * dim, kt, w.s.data() + m * kKeys, dim);
+      for (; m < rows; ++m) score_rows<1>(w.q.data() + m * dim, kt, w.s.data() + m * kKeys, dim);
+
+      const Vec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const Vec16 minus_inf = Vec16{} - std::numeric_limits<float>::infinity();
+      for (m = 0; m < rows; ++m) {
+        float* s = w.s.data() + m * kKeys;
+        const float visible = static_cast<float>(std::clamp<int64_t>(first_pos + m / group - start + 1, 0, n));
+        if (visible == 0.0f) {  // every key of the tile lies after this row's position (never the first tile)
+          std::fill(s, s + kKeys, 0.0f);
+          continue;
+        }
+        Vec16 x[kVecs], high = minus_inf;
+        for (int c = 0; c < kVecs; ++c) {
+          x[c] = lane + 16.0f * c < visible ? load16(s + 16 * c) : minus_inf;  // the causal bound
+          high = high > x[c] ? high : x[c];
+        }
+        const float tile_max = std::max(w.run_max[m], max_lanes(high));
+        const float correction = fast_exp(w.run_max[m] - tile_max);
+        Vec16 total = {};
+        for (int c = 0; c < kVecs; ++c) {
+          const Vec16 p = lane + 16.0f * c < visible ? exp16(x[c] - tile_max) : Vec16{};
+          store16(s + 16 * c, p);
+          total += p;
+        }
+        w.run_sum[m] = w.run_sum[m] * correction + sum_lanes(total);
+        w.run_max[m] = tile_max;
+        if (correction != 1.0f) {
+          float* a = w.acc.data() + m * padded_dim;
+          for (int64_t d = 0; d < padded_dim; ++d) a[d] *= correction;
+        }
+      }
+      for (m = 0; m + kValueRows <= rows; m += kValueRows)
+        accumulate<kValueRows>(w.acc.data() + m * padded_dim, w.s.data() + m * kKeys, v, n, padded_dim);
+      for (; m < rows; ++m) accumulate<1>(w.acc.data() + m * padded_dim, w.s.data() + m * kKeys, v, n, padded_dim);
+    }
+
+    const int64_t q_heads = kv_heads * group;
+    for (int64_t m = 0; m < rows; ++m) {
+      const int64_t token = starts[seq] + first_row + m / group, h = head * group + m % group;
+      const float inv = 1.0f / w.run_sum[m];  // >= 1: key 0 is visible to every row
+      const float* a = w.acc.data() + m * padded_dim;
+      QT* o = out + (token * q_heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<QT>(a[d] * inv);
+    }
+  }
+};
+
+template <typename QT, typename KV>
+void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+             const at::Tensor& lens, const at::Tensor& starts, int64_t first_seq, double scale, at::Tensor& out) {
+  const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), group = q.size(1) / kv_heads;
+  const int64_t padded_dim = (dim + 15) / 16 * 16;
+  const Prefill<QT, KV> p{q.data_ptr<QT>(), q.stride(0), q.stride(1),
+                          static_cast<const KV*>(k_cache.data_ptr()), static_cast<const KV*>(v_cache.data_ptr()),
+                          k_cache.size(1), kv_heads, dim, padded_dim, group,
+                          tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
+                          tables.stride(0), static_cast<float>(scale), out.data_ptr<QT>()};
+  // One item per (sequence, kv head), its query tiles split into up to `parts` items when there are too few to keep
+  // every thread busy (one long prompt): each part packs the keys up to its own last row.
+  const int64_t num_seqs = lens.size(0) - first_seq, threads_wanted = at::get_num_threads();
+  const int64_t pairs = std::max<int64_t>(num_seqs * kv_heads, 1);
+  const int64_t parts = std::max<int64_t>(1, (4 * threads_wanted + pairs - 1) / pairs);
+  std::vector<Item> items;
+  for (int64_t seq = first_seq; seq < lens.size(0); ++seq) {
+    const int64_t q_len = p.starts[seq + 1] - p.starts[seq], len = p.lens[seq];
+    const int64_t tiles = (q_len + kRows - 1) / kRows;
+    const int64_t split = std::max<int64_t>(1, std::min(parts, tiles)), per_part = (tiles + split - 1) / split;
+    for (int64_t tile = 0; tile < tiles; tile += per_part) {
+      const int64_t row_begin = tile * kRows, row_end = std::min(q_len, (tile + per_part) * kRows);
+      const int64_t prefix = len - q_len;
+      const int64_t cost = (row_end - row_begin) * (prefix + (row_begin + row_end) / 2);
+      for (int64_t head = 0; head < kv_heads; ++head)
+        items.push_back({static_cast<int32_t>(seq), static_cast<int32_t>(head), static_cast<int32_t>(row_begin),
+                         static_cast<int32_t>(row_end), cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(count, 1)));
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch scratch(kRows * group, dim, padded_dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i) p.run(items[i], scratch);
+  }
+}
+
+// Everything the kernel will read is checked here, before the parallel region (an exception cannot leave one).
+void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                  int64_t first_seq, const at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_prefill: q must be [T, Hq, D] and the caches [N, bs, Hkv, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_prefill: k_cache and v_cache differ");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill: the caches must be contiguous");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_prefill: CPU tensors only");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "paged_prefill: q's heads and head_dim do not match the caches'");
+  TORCH_CHECK(q.stride(2) == 1, "paged_prefill: q's last dimension must be contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "paged_prefill: out must be a contiguous tensor of q's shape and dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "paged_prefill: block_tables, seq_lens and query_start_loc must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && seq_lens.is_contiguous() &&
+                  query_start_loc.is_contiguous(),
+              "paged_prefill: block_tables rows, seq_lens and query_start_loc must be contiguous");
+  const int64_t num_seqs = seq_lens.numel();
+  TORCH_CHECK(block_tables.size(0) == num_seqs && query_start_loc.numel() == num_seqs + 1,
+              "paged_prefill: one block-table row and one seq_len per sequence, num_seqs + 1 query starts");
+  TORCH_CHECK(first_seq >= 0 && first_seq <= num_seqs, "paged_prefill: first_seq out of range");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), width = block_tables.size(1);
+  for (int64_t seq = first_seq; seq < num_seqs; ++seq) {
+    const int64_t q_len = starts[seq + 1] - starts[seq], len = lens[seq];
+    TORCH_CHECK(q_len >= 0 && starts[seq] >= 0 && starts[seq + 1] <= q.size(0),
+                "paged_prefill: query rows of sequence ", seq, " fall outside q");
+    TORCH_CHECK(q_len <= len && len <= width * block_size, "paged_prefill: sequence ", seq, " has ", q_len,
+                " new tokens and a context of ", len, " (block table: ", width, " blocks of ", block_size, ")");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int64_t block = tables[seq * block_tables.stride(0) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill: block id ", block, " out of range");
+    }
+  }
+}
+
+void paged_prefill_(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                    int64_t first_seq, double scale, at::Tensor out) {
+  check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, out);
+  const auto q_type = q.scalar_type(), kv_type = k_cache.scalar_type();
+  if (q_type == at::kFloat && kv_type == at::kFloat)
+    prefill<float, float>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, out);
+  else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16)
+    prefill<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq,
+                                          scale, out);
+  else if (q_type == at::kHalf && kv_type == at::kHalf)
+    prefill<c10::Half, c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale,
+                                  out);
+  else
+    TORCH_CHECK(false, "paged_prefill: q and the caches must share one dtype of float32, bfloat16 or float16");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchgen, m) {
+  m.def("paged_prefill_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, int first_seq, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("paged_prefill_", &paged_prefill_); }
