@@ -1,14 +1,9 @@
 """The CUDA path, as far as the CPU can take it: the padded decode runner behind the CUDA graphs (run without graphs,
-on the Triton kernels under TRITON_INTERPRET=1), the KV budget's profiling step, the GPU check's arithmetic and a
-dry run of it. The tests that need a GPU (graph capture and replay, the engine on CUDA against transformers) skip
-cleanly without one."""
+on the Triton kernels under TRITON_INTERPRET=1) and the KV budget's profiling step. The tests that need a GPU (graph
+capture and replay, the engine on CUDA against transformers) skip cleanly without one; the GPU check runs them on
+a GPU (batchgen/bench/gpu/step_kernel_tests.py)."""
 import gc
-import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +12,12 @@ pytest.importorskip("triton")  # without a GPU, conftest has set TRITON_INTERPRE
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from batchgen.bench.gpu import check as gpu  # noqa: E402
-from batchgen.bench.gpu.shapes import MODEL_CONFIGS, ModelShape, decode_floor, decode_step_cost  # noqa: E402
-from batchgen.bench.greedy_check import assert_greedy_matches, greedy_verdict, hf_greedy, is_near_tie  # noqa: E402
-from batchgen.bench.workloads import random_token_rows  # noqa: E402
+from batchgen.bench.greedy_check import assert_greedy_matches, hf_greedy  # noqa: E402
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams  # noqa: E402
 from batchgen.engine.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size  # noqa: E402
 from batchgen.engine.gpu_memory import run_dummy_step  # noqa: E402
 from batchgen.engine.sequence import Sequence  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -173,101 +164,6 @@ def test_engine_args_kv_cache_memory_default():
     assert EngineArgs(kv_cache_memory="1GiB").cpu_kv_cache_memory() == "1GiB"
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineArgs(enforce_eager="yes").validate()
-
-
-# ----------------------------------------------------------------------------------- the GPU check's figures
-
-def meta_parameter_count(config_kwargs) -> int:
-    from transformers import LlamaConfig
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**config_kwargs))
-    return sum(p.numel() for p in model.parameters())
-
-
-@pytest.mark.parametrize("key, params", [("1b", 1_235_814_400), ("8b", 8_030_261_248)])
-def test_model_shapes_count_the_parameters_of_the_real_models(key, params):
-    shape = ModelShape.from_config(MODEL_CONFIGS[key])
-    assert shape.num_params == params == meta_parameter_count(MODEL_CONFIGS[key])
-
-
-def test_decode_step_cost_and_floor():
-    shape = ModelShape.from_config(MODEL_CONFIGS["8b"])
-    assert shape.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2
-    one = decode_step_cost(shape, batch_size=1, total_context=1000)
-    # Every weight once (the untied embedding: one row), 1000 tokens of K and V.
-    assert one["weight_bytes"] == 2 * (8_030_261_248 - 128256 * 4096 + 4096)
-    assert one["kv_bytes"] == 1000 * 131072
-    assert one["matmul_flops"] == 2 * (8_030_261_248 - 128256 * 4096 - 65 * 4096)
-    assert one["attention_flops"] == 4 * 32 * 32 * 128 * 1000
-    floor = decode_floor(one, copy_bandwidth=4e12, matmul_rate=7e14)
-    assert floor["bound"] == "memory" and floor["floor_s"] == pytest.approx(one["bytes"] / 4e12)
-    assert floor["floor_s"] == pytest.approx(3.785e-3, rel=1e-3)  # 15.0 GB of weights, 0.13 GB of KV
-    big = decode_step_cost(shape, batch_size=8192, total_context=8192)
-    assert decode_floor(big, 4e12, 7e14)["bound"] == "compute"
-    # The batch's KV scales with its total context; weights are read once whatever the batch.
-    wide = decode_step_cost(shape, batch_size=256, total_context=256 * 1000)
-    assert wide["kv_bytes"] == 256 * one["kv_bytes"] and wide["weight_bytes"] - one["weight_bytes"] == 255 * 4096 * 2
-    tied = ModelShape.from_config(MODEL_CONFIGS["1b"])
-    assert decode_step_cost(tied, 256, 1)["weight_bytes"] == decode_step_cost(tied, 1, 1)["weight_bytes"]
-
-
-def test_synthetic_workload():
-    def synthetic_workload(*args, seed):
-        return [(row.token_ids, row.max_tokens) for row in random_token_rows(*args, seed=seed)]
-
-    workload = synthetic_workload(300, (100, 1000), (100, 500), 128256, seed=3)
-    assert len(workload) == 300
-    assert all(100 <= len(p) <= 1000 and 100 <= m <= 500 and all(0 <= t < 128256 for t in p) for p, m in workload)
-    assert min(len(p) for p, _ in workload) < 200 and max(len(p) for p, _ in workload) > 900
-    assert workload == synthetic_workload(300, (100, 1000), (100, 500), 128256, seed=3)
-    assert workload != synthetic_workload(300, (100, 1000), (100, 500), 128256, seed=4)
-
-
-def test_greedy_verdict_and_the_bf16_near_tie_rule():
-    assert is_near_tie(5.0, 4.95, rel_tol=2**-6, abs_tol=1e-3)  # within 0.079
-    assert not is_near_tie(5.0, 4.85, rel_tol=2**-6, abs_tol=1e-3)
-    assert not is_near_tie(5.0, 4.995, rel_tol=0.0, abs_tol=1e-3)  # fp32: the absolute 1e-3 alone
-    references = [[1, 2, 3], [4, 5, 6]]
-    logits = [torch.zeros(3, 10) for _ in references]
-    logits[1][1, 5], logits[1][1, 9] = 3.0, 2.99  # prompt 1, step 1: tokens 5 and 9 nearly tie
-    ok = greedy_verdict(references, logits, [[1, 2, 3], [4, 9, 0]], 2**-6, 1e-3, max_divergences=1)
-    assert ok["ok"] and ok["identical"] == 1 and ok["divergences"][0]["step"] == 1
-    assert not greedy_verdict(references, logits, [[1, 2, 3], [4, 9, 0]], 0.0, 1e-3, 1)["ok"]
-    logits[1][1, 9] = 1.0  # no longer a tie
-    assert not greedy_verdict(references, logits, [[1, 2, 3], [4, 9, 0]], 2**-6, 1e-3, 1)["ok"]
-    assert not greedy_verdict(references, logits, [[1, 2], [4, 5, 6]], 2**-6, 1e-3, 1)["ok"]  # stopped early
-
-
-def test_gpu_check_dry_run_on_the_cpu(tmp_path):
-    """The whole check, end to end, with a tiny model on the CPU: every step runs and the JSON has its figures."""
-    out = tmp_path / "gpu.json"
-    code = gpu.main(["--device", "cpu", "--models", "tiny", "--kv-cache-memory", "16MiB", "--requests", "10",
-                     "--prompt-min", "5", "--prompt-max", "40", "--output-min", "2", "--output-max", "12",
-                     "--hf-requests", "4", "--hf-batch-size", "2", "--greedy-prompts", "3", "--greedy-tokens", "6",
-                     "--decode-batch-sizes", "1", "4", "--decode-context", "20", "--decode-steps", "3",
-                     "--max-num-seqs", "8", "--out", str(out)])
-    record = json.loads(out.read_text())
-    assert code == 0 and record["passed"] and record["errors"] == []
-    tiny = record["models"]["tiny"]
-    assert tiny["greedy_fp32"]["ok"] and tiny["greedy_bf16"]["ok"]
-    assert tiny["batchgen"]["finished"] == 10 and tiny["batchgen"]["wrong_length"] == 0
-    assert tiny["hf_static"]["rows"] == 4 and tiny["hf_static"]["output_tokens_per_s"] > 0
-    assert set(tiny["decode"]) >= {"1", "4"} and tiny["decode"]["4"]["ratio_to_floor"] > 0
-    assert tiny["targets"]["speedup_vs_hf_static"] > 0
-
-
-def test_gpu_check_imports_nothing_the_gpu_box_lacks():
-    """Run as on the GPU box, with the packages it has not got made unimportable: --help still works."""
-    blocked = ["psutil", "click", "pyarrow", "polars", "matplotlib", "gguf", "pytest"]
-    # A None entry in sys.modules makes `import name` fail and importlib.util.find_spec(name) return None.
-    code = (f"import sys, runpy\nsys.modules.update(dict.fromkeys({blocked!r}))\n"
-            f"sys.argv = ['batchgen.bench', '--gpu', '--help']\nrunpy.run_module('batchgen.bench', run_name='__main__')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "kernels")])}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "--quick" in done.stdout and "--decode-batch-sizes" in done.stdout
 
 
 # ------------------------------------------------------------------------------------------------ on a GPU

@@ -1,21 +1,21 @@
-"""The GPU check: batchgen on one CUDA device, with random-weight Llama models of real shapes built in the run.
+"""The GPU check: batchgen on one CUDA device, in four steps that each write their JSON as soon as they end, so a
+run cut short still returns what finished:
+  0. environment: the GPU, its driver, python/torch/triton/transformers, a C compiler and Python's headers (Triton
+     builds its launcher with them), libcuda;
+  1. the Triton kernel tests and the CUDA-only tests, run by pytest on the device (the first real execution of the
+     bf16 tensor-core path: the interpreter widens bf16 dots to fp32);
+  2. greedy equality with transformers on the same device, on random weights of Llama-3.2-1B's shape, in bf16 (and
+     fp32 in a full run);
+  3. output tokens/s against transformers' static batching, and decode step times against their floor.
+Each step runs in its own process under a time budget (steps.py); a step that fails or is stopped records why, and
+the next one runs. Nothing but the tree is needed: no network, no tokenizer, no installs (torch, transformers,
+triton, numpy, safetensors, pytest).
 
-For each model (Llama-3.2-1B's shape, then Llama-3.1-8B's), saved with save_pretrained in bf16 to a temp dir:
-  1. greedy equality with transformers on the same GPU, for a few random-token prompts, alone and batched: in bf16
-     every divergence must be a near-tie (the two tokens within a couple of bf16 ulps in transformers' own logits);
-     for the small model also in fp32, under the tests' rule (batchgen/bench/greedy_check.py: within 1e-3, at most
-     1 prompt in 20);
-  2. output tokens/s on a synthetic offline workload (ignore_eos, random prompts), against transformers' `generate`
-     with static batching (rows sorted by length, left-padded) on a random subset of the same workload;
-  3. the decode step time at batch sizes 1, 32 and 256 against its floor: max(bytes read per step (weights + the
-     batch's KV) / measured copy bandwidth, FLOPs per step / measured bf16 matmul rate).
-It prints one short table last and writes every figure as JSON (--out). Nothing but the tree: no network, no
-tokenizer, no installs (torch, transformers, triton, numpy, safetensors).
+    PYTHONPATH=.:kernels python -m batchgen.bench --gpu [--quick]      # full: 8 min at most; --quick: under 4
+    PYTHONPATH=.:kernels python -m batchgen.bench --gpu --dry-run      # the same flow on the CPU (CI)
 
-    PYTHONPATH=.:kernels python -m batchgen.bench --gpu [--quick]
-    PYTHONPATH=.:kernels python -m batchgen.bench.gpu [--quick]      # the same
-
-check.py is the command; model_check.py checks one model, with batchgen_side.py and transformers_side.py running
-the two systems, shapes.py the models and their decode-step floors, device.py the device's measured rates and
-report.py the phases, verdicts and closing table.
+check.py is the command and orchestrate.py runs the steps (step_environment.py, step_kernel_tests.py with its
+pytest plugin pytest_record.py, step_greedy.py, step_throughput.py), each writing through step_record.py;
+options.py has each mode's settings, batchgen_side.py and transformers_side.py run the two systems, shapes.py has
+the models and their decode-step floors, device.py the device's measured rates, report.py the closing table.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+import types
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,15 +17,34 @@ from .shapes import ModelShape
 from ..workloads import BenchRow
 
 
-def open_engine(model_dir: Path, dtype: str, args, **overrides) -> tuple[Engine, float]:
-    """The engine on the check's settings (`args`), and how long it took to load."""
+def open_engine(model_dir: Path, dtype: str, args, **overrides) -> tuple[Engine, dict]:
+    """The engine on the check's settings (`args`), and what its start did: how long it took, its KV pool, its
+    attention kernels and CUDA graphs. On CUDA an engine off the Triton kernels or without CUDA graphs is recorded
+    as an error (the GPU path did not run as it should)."""
     settings = dict(model=str(model_dir), dtype=dtype, device=args.device, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    kv_cache_memory=args.kv_cache_memory)
+                    kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend)
     settings.update(overrides)
     started = time.perf_counter()
     engine = Engine(EngineArgs(**settings))
-    return engine, time.perf_counter() - started
+    info = {"load_s": time.perf_counter() - started, "dtype": dtype, "kv_cache_tokens": engine.kv_capacity,
+            "kv_pool_reason": engine.kv_pool.reason, "max_model_len": engine.max_model_len,
+            "attention_kernels": attention_kernels(engine), "cuda_graph_batch_sizes": cuda_graph_batch_sizes(engine)}
+    if engine.device.type == "cuda":
+        problems = []
+        if info["attention_kernels"] != "batchgen_kernels.triton_backend":
+            problems.append(f"the attention runs on {info['attention_kernels']}, not the Triton kernels")
+        if info["cuda_graph_batch_sizes"] is None:
+            problems.append("the engine runs without CUDA graphs (see the warning in its log)")
+        if problems:
+            info["error"] = "; ".join(problems)
+    return engine, info
+
+
+def attention_kernels(engine: Engine) -> str | None:
+    """The module of the attention kernels the engine's layers call (batchgen_kernels.get_backend's choice)."""
+    return next((m.backend.__name__ for m in engine.model.modules()
+                 if isinstance(getattr(m, "backend", None), types.ModuleType)), None)
 
 
 def cuda_graph_batch_sizes(engine: Engine) -> list[int] | None:

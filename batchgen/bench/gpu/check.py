@@ -1,9 +1,9 @@
-"""The GPU check's command: its options, the run over the models, the JSON record and the closing table."""
+"""The GPU check's command: run the steps one by one, each in its own process under its budget (orchestrate.py), then
+write summary.json and print the closing table. With --step (set by the check itself) it runs that one step here and
+writes its JSON (step_record.py)."""
 from __future__ import annotations
 
-import argparse
-import json
-import platform
+import logging
 import shutil
 import sys
 import tempfile
@@ -11,113 +11,67 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
-from .device import copy_bandwidth, describe_device, free_device_memory, matmul_rate
-from .model_check import check_model
-from .report import Phases, errors, passed, summary_table, targets
-from .shapes import MODEL_CONFIGS
-
-_DESCRIPTION = "The GPU check: batchgen on one CUDA device, with random-weight Llama models of real shapes."
+from .options import parse_args
+from .orchestrate import run_steps
+from .report import summary_table
+from .step_record import StepRecord, step_path, write_json
+from .steps import STEP_BY_NAME, STEPS
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m batchgen.bench.gpu", description=_DESCRIPTION,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="a ~1 minute smoke run: the 1B shape only, 100 requests, fewer prompts and steps")
-    p.add_argument("--out", help="JSON file (default: bench-results/gpu-<UTC timestamp>.json)")
-    p.add_argument("--models", nargs="+", choices=sorted(MODEL_CONFIGS), default=["1b", "8b"])
-    p.add_argument("--requests", type=int, default=1000, help="synthetic offline workload: number of requests")
-    p.add_argument("--prompt-min", type=int, default=100)
-    p.add_argument("--prompt-max", type=int, default=1000)
-    p.add_argument("--output-min", type=int, default=100)
-    p.add_argument("--output-max", type=int, default=500)
-    p.add_argument("--time-limit", type=float, default=180.0, help="seconds batchgen's workload may run per model")
-    p.add_argument("--hf-requests", type=int, default=256, help="requests (a random subset) for transformers")
-    p.add_argument("--hf-batch-size", type=int, default=256)
-    p.add_argument("--hf-time-limit", type=float, default=90.0,
-                   help="transformers starts no new batch after this many seconds")
-    p.add_argument("--skip-hf-throughput", action="store_true")
-    p.add_argument("--greedy-prompts", type=int, default=6)
-    p.add_argument("--greedy-tokens", type=int, default=32)
-    p.add_argument("--bf16-rel-tol", type=float, default=2.0 ** -6,
-                   help="bf16 near-tie tolerance relative to the logit (2**-6: 2 to 4 bf16 ulps)")
-    p.add_argument("--no-fp32-check", dest="fp32_check", action="store_false",
-                   help="skip the fp32 greedy check of the small model")
-    p.add_argument("--decode-batch-sizes", type=int, nargs="+", default=[1, 32, 256])
-    p.add_argument("--decode-context", type=int, default=512, help="prompt tokens of each decoding sequence")
-    p.add_argument("--decode-steps", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="default: the workload's longest request rounded up to 256, at least 2048")
-    p.add_argument("--kv-cache-memory", help="a fixed KV budget, e.g. 40GiB (default: from free GPU memory)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: a dry run of the whole check (with --models tiny and a --kv-cache-memory)")
-    p.add_argument("--work-dir", help="where the checkpoints are written (default: a temp dir, removed after)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.models = ["1b"]
-        args.requests = min(args.requests, 100)
-        args.hf_requests = min(args.hf_requests, 64)
-        args.hf_batch_size = min(args.hf_batch_size, 64)
-        args.greedy_prompts, args.greedy_tokens, args.decode_steps = 4, 16, 16
-    if args.max_model_len is None:
-        longest = max(args.prompt_max + args.output_max, args.decode_context + args.decode_steps + 128, 512 + 64)
-        args.max_model_len = max(2048, -(-longest // 256) * 256)
-    return args
-
-
-def _version(module: str) -> str | None:
+def run_one_step(args) -> int:
+    step = STEP_BY_NAME[args.step]
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("batchgen").setLevel(logging.INFO)  # the KV pool, the CUDA graphs, the fallbacks
+    record = StepRecord(step_path(out_dir, step.number, step.name), step.number, step.name, args.mode,
+                        args.step_budget)
     try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
+        ok = step.run(args, record)
+    except Exception as exc:  # noqa: BLE001 -- the step's error goes into its JSON; the next step still runs
+        record.finish(False, exc)
+        print(f"[{step.name}] FAILED: {record['error']}", file=sys.stderr, flush=True)
+    else:
+        record.finish(ok)
+    return 0 if record["ok"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("the GPU check needs a CUDA device, and torch sees none", file=sys.stderr)
-        return 2
-    import transformers
+    if args.step:
+        return run_one_step(args)
+    import torch
 
-    device = torch.device(args.device)
-    started = time.perf_counter()
-    stamp = datetime.now(timezone.utc)
-    record = {"started": stamp.isoformat(timespec="seconds"), "argv": sys.argv[1:] if argv is None else argv,
-              "settings": vars(args),
-              "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "triton": _version("triton"),
-                           "transformers": transformers.__version__},
-              "device": describe_device(device), "models": {}}
-    small = device.type != "cuda"  # a dry run: measure the CPU quickly
-    Phases(record["device"], "device").run("copy_bandwidth_bytes_per_s", lambda: copy_bandwidth(
-        device, nbytes=2**26 if small else 2 * 2**30))
-    Phases(record["device"], "device").run("bf16_matmul_flops_per_s", lambda: matmul_rate(
-        device, n=512 if small else 8192))
-    free_device_memory()
-
-    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="batchgen-gpu-check-"))
+    steps = [step for step in STEPS if step.name in args.steps]
+    no_gpu = args.device == "cuda" and not torch.cuda.is_available()
+    if no_gpu:  # step 0 still says what is there
+        steps = [step for step in steps if step.name == "environment"]
+    out_dir = Path(args.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="batchgen-gpu-check-")).resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    summary = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "mode": args.mode,
+               "argv": argv, "out_dir": str(out_dir), "steps": []}
+    commands = [(step.number, step.name,
+                 [sys.executable, "-m", "batchgen.bench.gpu", *argv, "--step", step.name, "--out-dir", str(out_dir),
+                  "--work-dir", str(work_dir), "--step-budget", str(step.budget_s[args.mode])],
+                 float(step.budget_s[args.mode])) for step in steps]
     try:
-        for key in args.models:
-            record["models"][key] = check_model(key, work_dir, device, record["device"], args)
-            shutil.rmtree(work_dir / key, ignore_errors=True)
-            free_device_memory()
+        records = run_steps(commands, out_dir, args.mode, summary)
     finally:
         if not args.work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
-        record["wall_s"] = time.perf_counter() - started
-        for m in record["models"].values():
-            m["targets"] = targets(m)
-        record["errors"] = errors(record)
-        record["passed"] = passed(record)
-        out = Path(args.out or f"bench-results/gpu-{stamp.strftime('%Y%m%dT%H%M%SZ')}.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        print(f"\nfull figures: {out}\n", file=sys.stderr)
-    print(summary_table(record))
-    return 0 if record["passed"] else 1
-
+    summary["passed"] = not no_gpu and all(r["ok"] for r in records)
+    summary["wall_s"] = time.monotonic() - started
+    summary["table"] = summary_table(records)
+    write_json(out_dir / "summary.json", summary)
+    print(f"\nGPU check ({args.mode}): {'passed' if summary['passed'] else 'NOT passed'}; every step's JSON in "
+          f"{out_dir}\n", file=sys.stderr)
+    print(summary["table"])
+    if no_gpu:
+        print("the GPU check needs a CUDA device, and torch sees none (--dry-run runs its flow on the CPU)",
+              file=sys.stderr)
+        return 2
+    return 0 if summary["passed"] else 1

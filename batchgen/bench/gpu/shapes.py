@@ -3,7 +3,7 @@ counts, and the floor of a decode step: its bytes read at the measured copy band
 matmul rate, whichever takes longer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 _LLAMA3 = dict(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu", bos_token_id=128000, eos_token_id=128001,
@@ -81,3 +81,9 @@ def decode_floor(cost: dict, copy_bandwidth: float, matmul_rate: float) -> dict:
     memory_s, compute_s = cost["bytes"] / copy_bandwidth, cost["flops"] / matmul_rate
     return {"memory_s": memory_s, "compute_s": compute_s, "floor_s": max(memory_s, compute_s),
             "bound": "memory" if memory_s >= compute_s else "compute"}
+
+
+def describe_model(key: str) -> dict:
+    """What the step records about its model."""
+    shape = ModelShape.from_config(MODEL_CONFIGS[key])
+    return {"key": key, "name": MODEL_NAMES[key], "params": shape.num_params, "shape": asdict(shape)}

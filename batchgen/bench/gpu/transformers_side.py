@@ -2,6 +2,8 @@
 throughput (the bench's hf-static loop) on the offline workload."""
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,10 +24,22 @@ def build_hf_model(config_kwargs: dict, dtype: torch.dtype, device: torch.device
     return _for_generation(model.to(device))
 
 
-def build_and_save(config_kwargs: dict, model_dir: Path, device: torch.device, seed: int):
-    """The bf16 model, saved to model_dir (save_pretrained) for the engine to load."""
+def checkpoint_dir(args) -> Path:
+    """Where the check's model is saved, for the steps after the one that built it."""
+    return Path(args.work_dir) / args.model
+
+
+def bf16_model_and_checkpoint(config_kwargs: dict, model_dir: Path, device: torch.device, seed: int):
+    """transformers' bf16 model with the check's random weights, its checkpoint in model_dir for the engine: the
+    first step that needs them builds and saves them (whole, or not at all), the next loads that checkpoint."""
+    if (model_dir / "config.json").is_file():
+        return load_hf_model(model_dir, torch.bfloat16, device)
     model = build_hf_model(config_kwargs, torch.bfloat16, device, seed)
-    model.save_pretrained(model_dir)
+    partial = model_dir.with_name(model_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    os.replace(partial, model_dir)
     return model
 
 
