@@ -9,17 +9,20 @@
 
     PYTHONPATH=$PWD:$PWD/kernels python scripts/quant_quality.py --dtype float32 bfloat16
 
-Each engine is built unquantized and then quantized in place by the same `quantize_model` the loader applies for
-`quantization: int8`; --variant tries the alternatives (no int8 LM head, weight-only int8 with bf16 activations).
+Each quantized engine is built as `quantization: int8` builds it (the loader's `quantize_model`, before the CPU's
+weight packing); --variant tries the alternatives (no int8 LM head, weight-only int8 with bf16 activations) by
+passing their options to that same call.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -30,6 +33,7 @@ from batchgen.engine.engine_args import EngineArgs
 from batchgen.engine.request import Request, SamplingParams
 from batchgen.models.loader import load_tokenizer, resolve_model
 from batchgen.models.accounting import weight_bytes
+from batchgen.models import loader
 from batchgen.models.quantization import quantize_model
 from batchgen_kernels import AttentionMetadata
 
@@ -104,9 +108,11 @@ def perplexity(model, windows: list[list[int]], block_size: int = 16) -> float:
 
 
 def evaluate(dtype: str, variant: str | None, rows, windows, max_tokens: int) -> dict:
-    engine = Engine(EngineArgs(dtype=dtype, kv_cache_memory="3GiB"))
-    if variant is not None:
-        quantize_model(engine.model, **VARIANTS[variant])
+    if variant is None:
+        engine = Engine(EngineArgs(dtype=dtype, kv_cache_memory="3GiB"))
+    else:  # the engine's own int8 load, with the variant's options passed to the loader's quantize_model
+        with mock.patch.object(loader, "quantize_model", functools.partial(quantize_model, **VARIANTS[variant])):
+            engine = Engine(EngineArgs(dtype=dtype, kv_cache_memory="3GiB", quantization="int8"))
     start = time.perf_counter()
     outputs = greedy(engine, rows, max_tokens)
     generate_s = time.perf_counter() - start
