@@ -298,7 +298,7 @@ def _mib(n: int) -> str:
 
 
 def summary_table(s: dict, path: str) -> str:
-    hit = s["prefix_cache_hit_rate"]
+    hit, e = s["prefix_cache_hit_rate"], s.get("engine_stats") or {}
     resumed = f" (this run: {s['rows_this_run']})" if s.get("resumed") else ""
     lines = [
         ("rows", f"{s['rows']:,}{resumed}: {s['rows_ok']:,} ok, {s['rows_error']:,} error"),
@@ -307,6 +307,7 @@ def summary_table(s: dict, path: str) -> str:
         ("wall time", f"{s['wall_s']:.1f} s"),
         ("preemptions", f"{s['preemptions']:,}"),
         *([("dtype", s["dtype_reason"])] if s.get("dtype_reason") else []),
+        *([("attention", e["attention_backend_reason"])] if e.get("attention_backend_reason") else []),
         *memory_lines(s),
         ("output", f"{path}  (polars.read_parquet(\"{path}/*.parquet\"))"),
     ]

@@ -46,6 +46,43 @@ def test_pool_sizing_arithmetic():
     assert info.value.key == "kv_cache_memory"
 
 
+def fake_cuda_memory(monkeypatch, free: int, peak: int) -> None:
+    """torch.cuda's memory queries answering as a device with `free` bytes free whose profiling step peaks at
+    `peak` bytes; the step itself is skipped."""
+    from batchgen.engine import gpu_memory
+
+    monkeypatch.setattr(gpu_memory, "run_dummy_step", lambda *args, **kwargs: None)
+    answers = {"synchronize": None, "empty_cache": None, "reset_peak_memory_stats": None, "memory_allocated": 0,
+               "max_memory_allocated": peak, "mem_get_info": (free, 141 * 2**30)}
+    for name, answer in answers.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *args, answer=answer, **kwargs: answer)
+
+
+def test_gpu_pool_capped_at_what_the_job_can_use(monkeypatch):
+    """kv_cache_memory unset on CUDA: the budget is 90% of the free device memory less the profiled peak, which for
+    the tiny test model on an H200 is ~15 M blocks; the pool is capped by the same rule as on the CPU."""
+    from types import SimpleNamespace
+
+    from batchgen.engine.startup import kv_pool_size
+
+    free, peak = 130 * 2**30, 2**30
+    fake_cuda_memory(monkeypatch, free, peak)
+    model = SimpleNamespace(device=torch.device("cuda"), num_layers=2, num_kv_heads=2, head_dim=16, max_model_len=512)
+    budget_blocks = (int(free * 0.9) - peak) // (16 * 512)  # 512 B/token in fp32
+    assert budget_blocks > 14_000_000
+
+    def pool(max_num_seqs):
+        args = EngineArgs(model="unused", device="cuda", kv_cache_memory=None, max_num_seqs=max_num_seqs)
+        return kv_pool_size(model, args, torch.float32, torch.device("cuda"))
+
+    capped = pool(16)
+    assert capped.num_blocks == blocks_in_use_at_most(16, 512, 16) == 16 * (512 // 16 + 1)
+    assert capped.reason.startswith("max_num_seqs 16 x (512-token context + 1 block), under kv_cache_memory from "
+                                    "gpu_memory_utilization 0.9")
+    uncapped = pool(10**6)  # more sequences than the budget holds: the budget decides
+    assert uncapped.num_blocks == budget_blocks and uncapped.reason.startswith("kv_cache_memory from gpu_memory")
+
+
 def test_engine_pool_capped_by_max_num_seqs_keeps_the_context(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, max_num_seqs=2)  # 32 MiB would hold 4,096 blocks of 8 KiB
     assert engine.kv_pool.num_blocks == 2 * (512 // 16 + 1)

@@ -276,7 +276,8 @@ def test_model_without_chat_template_exits_2(tiny_llama_dir, default_model_dir, 
 # -- the default model: the estimate against a real run --------------------------------------------------------
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this tree's batchgen, whatever is installed
+    # this tree's batchgen and batchgen_kernels, whatever is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "kernels")])}
     return subprocess.run([sys.executable, "-m", "batchgen", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 

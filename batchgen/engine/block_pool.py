@@ -3,7 +3,8 @@
 A freed block keeps its hash and stays findable until it is handed out again, so the free queue doubles as the
 prefix cache's eviction order: blocks are taken from the head, freed blocks join the tail.
 
-The queue starts in block id order, so never-used blocks go out lowest id first and the blocks ever handed out are
+Never-used blocks come before every freed one, lowest id first, and their KVBlock objects are created only then: a
+pool of millions of blocks (a large GPU) costs nothing until its blocks are used. So the blocks ever handed out are
 always ids [0, num_touched): the model runner zeroes that range as it grows, and the CPU cache's pages beyond it are
 never written (not resident).
 """
@@ -42,14 +43,12 @@ class FreeBlockQueue:
     """Doubly linked list threaded through the blocks themselves: O(1) pop, append and removal from the middle
     (a cache hit on a free block takes it out of the queue wherever it is)."""
 
-    def __init__(self, blocks: list[KVBlock]) -> None:
+    def __init__(self) -> None:
         self._head = KVBlock(-1)
         self._tail = KVBlock(-1)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self.size = 0
-        for block in blocks:
-            self.append(block)
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
@@ -77,36 +76,44 @@ class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.blocks: list[KVBlock] = []  # block i at index i, created when first handed out
+        self.free_queue = FreeBlockQueue()  # blocks freed since, behind the never-used ones
         self.cached: dict[bytes, KVBlock] = {}
-        self.num_touched = 0  # one past the highest block id ever handed out
         self.peak_in_use = 0  # the most blocks held by sequences at once
 
     @property
+    def num_touched(self) -> int:
+        """One past the highest block id ever handed out."""
+        return len(self.blocks)
+
+    @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.size
+        return self.num_blocks - len(self.blocks) + self.free_queue.size
 
     def _note_use(self) -> None:
-        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.free_queue.size)
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.num_free_blocks)
 
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        if n > self.free_queue.size:
-            raise RuntimeError(f"asked for {n} KV blocks, {self.free_queue.size} free")
+        num_free = self.num_free_blocks
+        if n > num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, {num_free} free")
         blocks = []
         for _ in range(n):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:  # evict the least recently freed cached block
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
+            if len(self.blocks) < self.num_blocks:  # never-used blocks go first, created now
+                block = KVBlock(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                block = self.free_queue.popleft()
+                if block.block_hash is not None:  # evict the least recently freed cached block
+                    if self.cached.get(block.block_hash) is block:
+                        del self.cached[block.block_hash]
+                    block.block_hash = None
             block.ref_count = 1
-            self.num_touched = max(self.num_touched, block.block_id + 1)
             blocks.append(block)
-        self._note_use()
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - num_free + n)  # _note_use, inlined: hot
         return blocks
 
     def touch(self, blocks: list[KVBlock]) -> None:

@@ -24,6 +24,7 @@ class Engine:
         setup = set_up(args)
         self.device = setup.device
         self.dtype, self.dtype_reason = setup.dtype.dtype, setup.dtype.reason  # the reason: why auto chose it
+        self.attention = setup.attention  # the attention kernels that run, and why (a fallback says what failed)
         self.tokenizer, self.model = setup.tokenizer, setup.model
         self.vocab_size = self.model.vocab_size
         self.num_parameters, self.weights_bytes = setup.num_parameters, setup.weights_bytes
@@ -108,8 +109,9 @@ class Engine:
             yield from self.step()
 
     def stats(self) -> dict:
-        """Counters of the run so far, the dtype and why, and the KV pool: its size and why, the most blocks in use
-        at once, and the blocks ever used (on the CPU, the part of the pool that is resident)."""
+        """Counters of the run so far, the dtype and the attention kernels and why, and the KV pool: its size and
+        why, the most blocks in use at once, and the blocks ever used (on the CPU, the part of the pool that is
+        resident)."""
         s, pool, kv = self.scheduler, self.kv_cache_manager.pool, self.kv_pool
         return {
             "prefix_cache_queries": s.prefix_cache_queries,
@@ -120,6 +122,8 @@ class Engine:
             "kv_cache_tokens": self.kv_capacity,
             "dtype": str(self.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
+            "attention_backend": self.attention.name,
+            "attention_backend_reason": self.attention.reason,
             "weights_bytes": self.weights_bytes,
             "kv_pool_blocks": kv.num_blocks,
             "kv_pool_bytes": kv.bytes,

@@ -2,12 +2,14 @@
 model, the KV cache's size, the model runner that allocates that cache, and on CUDA the decode graphs."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from batchgen_kernels import BackendChoice, choose_backend
 from batchgen_kernels.elementwise import get_elementwise
 
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, own_storage, resolve_model
@@ -30,6 +32,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineSetup:
     device: torch.device
     dtype: DtypeChoice
+    attention: BackendChoice
     tokenizer: Any
     model: torch.nn.Module
     num_parameters: int  # as the checkpoint has them, a tied head once (models/accounting.py)
@@ -43,6 +46,8 @@ class EngineSetup:
 def set_up(args: EngineArgs) -> EngineSetup:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    attention = choose_attention(args.attention_backend, device)  # before the weights load: a failure costs nothing
+    args = dataclasses.replace(args, attention_backend=attention.name)  # from here on, the kernels chosen
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     logger.info("dtype %s", dtype.reason)
@@ -62,9 +67,9 @@ def set_up(args: EngineArgs) -> EngineSetup:
     max_model_len = context_length(args, model.max_model_len, pool.num_blocks)
     runner = ModelRunner(model, pool.num_blocks, args.block_size, dtype.dtype, device, eos, args.attention_backend)
     if device.type == "cuda" and not args.enforce_eager:
-        runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device)
-    return EngineSetup(device, dtype, tokenizer, model, num_parameters(model), weight_bytes(model), eos, pool,
-                       max_model_len, runner)
+        runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention)
+    return EngineSetup(device, dtype, attention, tokenizer, model, num_parameters(model), weight_bytes(model), eos,
+                       pool, max_model_len, runner)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,6 +87,27 @@ def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:
     if device.type == "cuda":
         return DtypeChoice(torch.bfloat16, "bfloat16: auto on CUDA")
     return auto_cpu_dtype()
+
+
+def choose_attention(name: str, device: torch.device) -> BackendChoice:
+    """The attention kernels for attention_backend `name`. Where Triton cannot run (its probe kernel fails: no C
+    compiler, no libcuda.so.1, ...), `auto` falls back to the torch reference after one warning naming the cause and
+    the fix, and the choice says so in the run's stats; an explicit `triton` is a SettingError (exit 2)."""
+    try:
+        choice = choose_backend(device, name)
+    except ValueError as exc:  # e.g. the cpu kernels on a CUDA device
+        raise SettingError("attention_backend", str(exc)) from None
+    if choice.problem is not None and name == "triton":
+        raise SettingError("attention_backend", f"triton cannot run on {device}: {choice.problem}; or set "
+                                                "attention_backend to auto to fall back to the torch reference (much "
+                                                "slower)")
+    if choice.problem is not None and device.type == "cuda":
+        logger.warning("attention: Triton cannot run on %s, so attention runs on the torch reference without CUDA "
+                       "graphs (much slower): %s. (attention_backend: triton makes this an error)",
+                       device, choice.problem)
+    else:  # on the CPU, a failed C++ build has warned already
+        logger.info("attention: %s", choice.reason)
+    return choice
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -112,12 +138,13 @@ def kv_pool_size(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, d
     return pool
 
 
-def capture_decode_graphs(model: torch.nn.Module, args: EngineArgs, max_model_len: int,
-                          device: torch.device) -> DecodeGraphRunner | None:
+def capture_decode_graphs(model: torch.nn.Module, args: EngineArgs, max_model_len: int, device: torch.device,
+                          attention: BackendChoice) -> DecodeGraphRunner | None:
     """Decode-only steps replay CUDA graphs, captured now for every bucketed batch size; None (eager) if that
     fails or the attention backend cannot run padded batches."""
-    if not padded_decode_supported(device, args.attention_backend):
-        logger.warning("no CUDA graphs: they need the Triton attention kernels (is triton installed?)")
+    if not padded_decode_supported(device, attention.name):
+        if attention.problem is None:  # else choose_attention has said it
+            logger.warning("no CUDA graphs: they need the Triton attention kernels (attention: %s)", attention.reason)
         return None
     graphs = DecodeGraphRunner(model, args.block_size, args.max_num_seqs, max_model_len, device, capture=True)
     try:

@@ -2,10 +2,12 @@
 
 `get_backend(device, name)` returns the module whose `store_kv(key, value, k_cache, v_cache, slot_mapping)` and
 `paged_attention(q, k_cache, v_cache, metadata, scale)` the model calls: the C++ kernels on the CPU (built on first
-use; the torch reference where they cannot be built), Triton kernels on CUDA (when Triton is installed).
+use; the torch reference where they cannot be built), Triton kernels on CUDA (where a probe kernel runs; the
+reference where it does not). `choose_backend` says which, and why.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -13,30 +15,58 @@ import torch
 from . import reference
 from .metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "get_backend", "reference"]
+__all__ = ["AttentionMetadata", "BackendChoice", "BackendUnavailable", "choose_backend", "get_backend", "reference"]
 
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
-def get_backend(device: torch.device | str, name: str = "auto") -> ModuleType:
-    """`torch`: the reference; `triton`: the Triton kernels (ImportError without Triton); `cpu`: the C++ kernels
-    (CPU tensors only; the reference, after one warning, where they cannot be built); `auto`: Triton on CUDA when it
-    is installed, the C++ kernels on the CPU when they build, else the reference."""
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str  # the kernels that run: "triton", "cpu" or "torch" (the reference)
+    reason: str  # why these, in a few words
+    problem: str | None = None  # why the kernels asked for (or auto's first choice) cannot run here, and the fix
+
+
+class BackendUnavailable(RuntimeError):
+    """attention backend "triton" was asked for and cannot run here."""
+
+
+def choose_backend(device: torch.device | str, name: str = "auto") -> BackendChoice:
+    """Which kernels `name` means on `device`: `torch` the reference; `triton` the Triton kernels; `cpu` the C++
+    kernels (CPU tensors only); `auto` Triton on CUDA, the C++ kernels on the CPU. Triton is probed first (a tiny
+    kernel compiled and launched, once per device: triton_probe.py) and the C++ kernels built; where the chosen
+    kernels cannot run the choice is the reference, with `problem` saying why."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    device_type = torch.device(device).type
-    if name == "triton" or (name == "auto" and device_type == "cuda"):
-        try:
-            from . import triton_backend
-            return triton_backend
-        except ImportError:
-            if name == "triton":
-                raise
-    if name == "cpu" or (name == "auto" and device_type == "cpu"):
-        if device_type != "cpu":
-            raise ValueError(f"the cpu attention backend runs on CPU tensors, not on {device_type}")
+    device = torch.device(device)
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from . import triton_probe  # imports without Triton: the probe then reports the ImportError
+        problem = triton_probe.problem(device)
+        if problem is None:
+            return BackendChoice("triton", f"Triton kernels (a probe kernel ran on {device})")
+        return BackendChoice("torch", f"torch reference: Triton cannot run on {device}: {problem}", problem)
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ValueError(f"the cpu attention backend runs on CPU tensors, not on {device.type}")
         from . import cpu_backend
         if cpu_backend.available():
-            return cpu_backend
+            return BackendChoice("cpu", "C++ CPU kernels")
+        problem = "the C++ CPU kernels could not be built (the warning above says why)"
+        return BackendChoice("torch", f"torch reference: {problem}", problem)
+    return BackendChoice("torch", "torch reference: " + ("set in attention_backend" if name == "torch"
+                                                         else f"auto on {device.type}"))
+
+
+def get_backend(device: torch.device | str, name: str = "auto") -> ModuleType:
+    """The module of choose_backend(device, name); BackendUnavailable when "triton" is asked for and cannot run."""
+    choice = choose_backend(device, name)
+    if name == "triton" and choice.name != "triton":
+        raise BackendUnavailable(choice.reason)
+    if choice.name == "triton":
+        from . import triton_backend
+        return triton_backend
+    if choice.name == "cpu":
+        from . import cpu_backend
+        return cpu_backend
     return reference
