@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from batchgen_kernels.elementwise import get_elementwise
-from batchgen_kernels.triton_limits import unsupported_reason
 
 from ..models.llama import attention_heads
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, own_storage, resolve_model
@@ -97,6 +96,8 @@ def check_attention_shape(args: EngineArgs, device: torch.device, dtype: torch.d
     (CUDA; attention_backend auto or triton). The limits are batchgen_kernels/triton_limits.py's."""
     if device.type != "cuda" or not uses_triton(device, args.attention_backend):
         return
+    from batchgen_kernels.triton_limits import unsupported_reason
+
     num_heads, num_kv_heads, head_dim = attention_heads(config)
     reason = unsupported_reason(head_dim, num_heads, num_kv_heads, dtype)
     if reason:
