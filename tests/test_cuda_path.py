@@ -16,6 +16,7 @@ from batchgen.bench.greedy_check import assert_greedy_matches, hf_greedy  # noqa
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams  # noqa: E402
 from batchgen.engine.cuda_graphs import DecodeGraphRunner, graph_batch_sizes, padded_batch_size  # noqa: E402
 from batchgen.engine.gpu_memory import run_dummy_step  # noqa: E402
+from batchgen.engine.kernel_warmup import uses_triton, warm_up_attention  # noqa: E402
 from batchgen.engine.sequence import Sequence  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -147,6 +148,19 @@ def test_engine_on_the_padded_decode_path_matches_transformers(tiny_llama_dir):
         Request(i, p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, lengths)))}
     assert_greedy_matches(hf, prompts, references, [results[i].token_ids for i in range(5)])
     assert set(graphs.steps_by_size) == {1, 2, 4, 8}
+
+
+def test_the_kernel_warm_up_touches_no_kv_slot(tiny_llama_dir):
+    """The startup warm-up (on CUDA it compiles every kernel variant before the first step) runs the model on
+    inert rows: the KV cache is bit for bit what it was."""
+    engine = make_engine(tiny_llama_dir)
+    kv = engine.runner.kv_cache
+    kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(0)))
+    before = kv.clone()
+    warm_up_attention(engine.model, engine.max_model_len)
+    assert torch.equal(kv, before)
+    assert uses_triton(torch.device("cpu"), "triton") and uses_triton(torch.device("cuda"), "auto")
+    assert not uses_triton(torch.device("cuda"), "torch") and not uses_triton(torch.device("cpu"), "auto")
 
 
 def test_the_profiling_step_runs_on_both_backends(tiny_llama_dir):

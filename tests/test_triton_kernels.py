@@ -76,13 +76,53 @@ def test_decode_matches_reference(tb, block_size, group, head_dim):
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_decode_over_long_contexts_matches_reference(tb, num_splits, dtype):
-    # 511 tokens in 8 splits of 64: the 5-token sequence leaves 7 splits empty, the others end mid-split.
-    seq_lens = [5, 130, 300, 511]
+    # Each context cut by its own length: 1,100 tokens in 3 splits of 384 or 5 of 256 (the last one ends mid-split,
+    # 3 of 8 stay empty); the 5-token sequence fills one split and leaves the others empty.
+    seq_lens = [5, 130, 300, 1100]
     q, k_cache, v_cache, md = make_case([1] * 4, seq_lens, block_size=16, group=4, head_dim=64, dtype=dtype)
     out = tb.paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.max_seq_len, 0.125,
                           num_splits=num_splits)
     expected = reference.paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.max_seq_len, 0.125)
     assert_close(out, expected)
+
+
+def test_decode_splits_follow_the_batch_and_each_sequence_s_real_length():
+    """The split choice, as pure functions: the grid from the batch and the SMs (capped by the longest context the
+    call may see), each sequence's cut from its own length. An H200 (132 SMs) decoding one Llama-3-8B sequence (8 KV
+    heads) in a CUDA graph captured for the 131,072-token context gets 32 splits; a 2,000-token context fills 8 of
+    them (64 programs), where a cut sized from max_model_len (4,096 tokens a split) left it in one (8 programs)."""
+    from batchgen_kernels.triton_decode import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, choose_num_splits, split_size
+
+    def splits_used(seq_len, num_splits):
+        return -(-seq_len // split_size(seq_len, num_splits))
+
+    graph_splits = choose_num_splits(1, 8, 131072, sms=132)
+    assert graph_splits == MAX_SPLITS
+    assert split_size(2000, graph_splits) == MIN_TOKENS_PER_SPLIT and splits_used(2000, graph_splits) == 8
+    assert splits_used(8000, graph_splits) == 32  # every split: 256 programs for 132 SMs
+    assert split_size(100_000, graph_splits) == 49 * 64 and splits_used(100_000, graph_splits) == 32
+    assert splits_used(5, graph_splits) == 1 and split_size(5, 1) == MIN_TOKENS_PER_SPLIT
+    assert split_size(1100, 3) == 384 and splits_used(1100, 3) == 3  # whole 64-token tiles, evenly
+    # About two programs per SM: larger batches need fewer splits, and an eager step's real longest context caps them.
+    assert choose_num_splits(4, 8, 131072, sms=132) == 9
+    assert choose_num_splits(64, 8, 131072, sms=132) == 1
+    assert choose_num_splits(1, 8, 300, sms=132) == 2
+
+
+@pytest.mark.parametrize("num_splits", [3, 8])
+def test_the_kernel_cuts_each_context_as_split_size_says(tb, num_splits):
+    """split_size is what the kernel computes on the device: a split holds tokens (a finite running max) exactly when
+    split_size puts some of the sequence's context in it."""
+    from batchgen_kernels.triton_decode import decode_partials, split_size
+
+    seq_lens = [5, 300, 1100, 2000]
+    q, k_cache, v_cache, md = make_case([1] * 4, seq_lens, block_size=16, group=2, head_dim=16)
+    part_max, _, _ = decode_partials(q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.1, torch.empty_like(q),
+                                     num_splits)
+    holds_tokens = torch.isfinite(part_max).all(dim=1)  # [sequence, split], every query head alike
+    for row, seq_len in enumerate(seq_lens):
+        expected = [split * split_size(seq_len, num_splits) < seq_len for split in range(num_splits)]
+        assert holds_tokens[row].tolist() == expected, (seq_len, holds_tokens[row].tolist())
 
 
 def test_decode_with_head_dim_128_and_one_kv_head(tb):

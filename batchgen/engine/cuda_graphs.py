@@ -7,8 +7,9 @@ captured once and then replayed, which removes the per-kernel launch cost that d
 Padding rows are inert: token 0 at position 0, KV slot -1 (the store kernel skips negative slots) and a context of
 0 tokens (the decode kernel writes zeros for it), so they neither read nor write any sequence's cache. A graph
 replays its kernels with the arguments they were captured with, so the attention metadata of a graph is fixed:
-its max_seq_len is the engine's max_model_len, from which the decode kernel sizes its grid (the splits past a
-sequence's real end do no work), and the block-table buffer is max_model_len / block_size wide.
+its max_seq_len is the engine's max_model_len, which only caps the decode kernel's number of splits (its grid);
+each sequence is cut into those splits by its real length, on the device, so a short context in a graph captured
+for a long one still uses them all (triton_decode.py). The block-table buffer is max_model_len / block_size wide.
 
 This needs the Triton backend (the torch reference cannot skip a slot). `capture=False` runs the same padded path
 without graphs: that is how the CPU tests exercise it, under TRITON_INTERPRET=1.

@@ -12,6 +12,7 @@ import torch
 from batchgen_kernels import BackendChoice, choose_backend
 from batchgen_kernels.elementwise import get_elementwise
 
+from ..models.llama import attention_heads
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, own_storage, resolve_model
 from ..models.accounting import num_parameters, weight_bytes
 from ..models.packed_linear import pack_linears, packing_supported
@@ -20,6 +21,7 @@ from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs, parse_bytes
 from .errors import SettingError
 from .gpu_memory import kv_cache_budget
+from .kernel_warmup import compile_attention_kernels, uses_triton
 from .kv_pool import KVPoolSize, size_kv_pool
 from .model_runner import ModelRunner
 
@@ -49,6 +51,9 @@ def set_up(args: EngineArgs) -> EngineSetup:
     attention = choose_attention(args.attention_backend, device)  # before the weights load: a failure costs nothing
     args = dataclasses.replace(args, attention_backend=attention.name)  # from here on, the kernels chosen
     model_dir = resolve_model(args.model)
+    if device.type == "cuda":  # before anything loads: a shape the kernels cannot compile is one clear error
+        from transformers import AutoConfig
+        check_attention_shape(args, device, dtype.dtype, AutoConfig.from_pretrained(model_dir))
     tokenizer = load_tokenizer(model_dir)
     logger.info("dtype %s", dtype.reason)
     model = load_model(model_dir, dtype.dtype, device, args.quantization)
@@ -66,6 +71,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
     pool = kv_pool_size(model, args, dtype.dtype, device)
     max_model_len = context_length(args, model.max_model_len, pool.num_blocks)
     runner = ModelRunner(model, pool.num_blocks, args.block_size, dtype.dtype, device, eos, args.attention_backend)
+    if device.type == "cuda" and uses_triton(device, args.attention_backend):
+        compile_attention_kernels(model, max_model_len)  # no step of the run compiles a kernel
     if device.type == "cuda" and not args.enforce_eager:
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention)
     return EngineSetup(device, dtype, attention, tokenizer, model, num_parameters(model), weight_bytes(model), eos,
@@ -108,6 +115,20 @@ def choose_attention(name: str, device: torch.device) -> BackendChoice:
     else:  # on the CPU, a failed C++ build has warned already
         logger.info("attention: %s", choice.reason)
     return choice
+
+
+def check_attention_shape(args: EngineArgs, device: torch.device, dtype: torch.dtype, config) -> None:
+    """Refuse a model whose attention the Triton kernels cannot compile, when they are the ones that would run it
+    (CUDA; attention_backend auto or triton). The limits are batchgen_kernels/triton_limits.py's."""
+    if device.type != "cuda" or not uses_triton(device, args.attention_backend):
+        return
+    from batchgen_kernels.triton_limits import unsupported_reason
+
+    num_heads, num_kv_heads, head_dim = attention_heads(config)
+    reason = unsupported_reason(head_dim, num_heads, num_kv_heads, dtype)
+    if reason:
+        raise SettingError("attention_backend", f"the Triton attention kernels cannot run this model on CUDA: "
+                                                f"{reason}; set attention_backend: torch (the torch reference)")
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

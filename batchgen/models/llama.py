@@ -167,6 +167,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def attention_heads(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a transformers config, as the model is built from it."""
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config, variant: LlamaVariant) -> None:
         super().__init__()
@@ -175,9 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.variant = variant
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = attention_heads(config)
         self.vocab_size = config.vocab_size
         self.max_model_len = _max_model_len(config)
         self.model = LlamaModel(config, variant, self.head_dim, self.num_kv_heads)

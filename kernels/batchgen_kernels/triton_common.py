@@ -10,11 +10,16 @@ import triton.language as tl
 LOG2E = 1.4426950408889634  # the kernels use exp2: exp(x) == exp2(x * LOG2E)
 
 
+def interpreting() -> bool:
+    """Whether TRITON_INTERPRET is on: the kernels, decorated after it was read, run in Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
 def dot_needs_fp32(dtype: torch.dtype) -> bool:
     """Triton's interpreter multiplies bf16 tiles as their raw 16-bit integers (it keeps bf16 as uint16 and its
     tl.dot does not convert), so under TRITON_INTERPRET the kernels widen bf16 operands to fp32 first. The products
     of bf16 values are exact in fp32, so this changes nothing but the instruction on a GPU, where it is never set."""
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+    return dtype == torch.bfloat16 and interpreting()
 
 
 @triton.jit
@@ -49,3 +54,14 @@ def online_softmax_update(scores, m, l, acc, v, WIDEN: tl.constexpr):
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, WIDEN)
     return m_new, l, acc
+
+
+def triton_error_reason(exc: BaseException) -> str:
+    """One line for a Triton failure. A CompilationError's own message is the kernel's source, and the reason (tl.dot's
+    "K >= 16") is in the error it was raised from: the innermost message of the chain is the one that says."""
+    reason = ""
+    while exc is not None:
+        reason = getattr(exc, "error_message", None) or str(exc) or reason
+        exc = exc.__cause__
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    return lines[0] if lines else ""

@@ -3,6 +3,11 @@
 A program owns one (sequence, KV head, context split): it loads all query heads of that KV head's group at once,
 so each K/V tile is read once per group, and runs an online softmax over its slice of the context, read through
 the block table. With several splits, a second kernel combines the splits' partial (max, sum, output).
+
+The number of splits (the grid) comes from the batch's size and the device's SMs, capped by the longest context
+the call may see (`choose_num_splits`); how a sequence's context is cut into them comes from its real length, on
+the device (`split_size`). So a CUDA graph captured for contexts up to max_model_len still spreads a short
+context over every split it can use, instead of putting it all in the first split of a max_model_len-wide cut.
 """
 from __future__ import annotations
 
@@ -15,20 +20,22 @@ import triton.language as tl
 from .triton_common import LOG2E, dot, dot_needs_fp32, load_paged, online_softmax_update, paged_slots
 
 BLOCK_N = 64  # context tokens per inner-loop tile
-MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT = 256  # a whole number of BLOCK_N tiles
 MAX_SPLITS = 32
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (value 1, divisibility by 16): each new value
+# would compile a new variant in the middle of a run. See triton_aot.py, which counts the variants a run needs.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                          out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-                         scale_log2, split_size,
+                         scale_log2,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                         WIDEN_DOT: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+                         SPLIT: tl.constexpr, WIDEN_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -36,6 +43,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    # split_size() of this sequence's real length
+    split_size = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits), MIN_SPLIT_TILES) * BLOCK_N
     start = split * split_size
     end = tl.minimum(start + split_size, seq_len)  # start >= end: an empty split (short sequence), no tiles
 
@@ -74,7 +83,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, num_splits,
                           stride_ot, stride_oh,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
@@ -104,11 +113,24 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough splits to give every SM about two programs, but none shorter than MIN_TOKENS_PER_SPLIT tokens."""
-    sms = _num_sms(device) if device.type == "cuda" else 8  # not on CUDA: the interpreter, in tests
+def num_sms(device: torch.device) -> int:
+    """The device's SMs; 8 off CUDA (the interpreter, in tests; meta tensors, in triton_aot)."""
+    return _num_sms(device) if device.type == "cuda" else 8
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
+    """Enough splits to give every SM about two programs, but no more than a max_seq_len-token context can fill
+    with MIN_TOKENS_PER_SPLIT tokens each, and at most MAX_SPLITS."""
     wanted = triton.cdiv(2 * sms, num_seqs * num_kv_heads)
     return max(1, min(wanted, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+
+
+def split_size(seq_len: int, num_splits: int) -> int:
+    """Context tokens per split for one sequence of seq_len tokens (the kernel computes the same, on the device, from
+    the real length): an even cut into num_splits, rounded up to whole BLOCK_N tiles and to at least
+    MIN_TOKENS_PER_SPLIT; the splits past the sequence's end do nothing."""
+    tiles = triton.cdiv(triton.cdiv(seq_len, BLOCK_N), num_splits)
+    return max(tiles, MIN_TOKENS_PER_SPLIT // BLOCK_N) * BLOCK_N
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -116,20 +138,38 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  num_splits: int | None = None) -> torch.Tensor:
     """One query token per sequence ([B, Hq, D]) against its paged context of seq_lens[b] tokens → [B, Hq, D].
 
-    Grid sizes come from B and max_seq_len alone (no device reads), so a CUDA graph captured with a large
-    max_seq_len serves any shorter contexts: splits past a sequence's end do nothing.
+    The grid comes from B and max_seq_len alone (no device reads), so a CUDA graph captured with a large
+    max_seq_len serves any shorter contexts; each sequence's cut into splits follows its real length.
     """
     batch, q_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q_heads // kv_heads
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_seq_len, q.device)
-    split_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), BLOCK_N) * BLOCK_N
-    num_splits = triton.cdiv(max_seq_len, split_size)  # rounding split_size up may leave the last splits empty
+        num_splits = choose_num_splits(batch, k_cache.shape[2], max_seq_len, num_sms(q.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    partials = decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits)
+    if partials is not None:
+        part_max, part_sum, part_acc = partials
+        head_dim_pad = triton.next_power_of_2(head_dim)
+        # SPLITS_PAD is MAX_SPLITS whatever num_splits is: one compiled variant for every split count
+        _decode_reduce_kernel[(batch, q_heads)](
+            out, part_max, part_sum, part_acc, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=MAX_SPLITS)
+    return out
+
+
+def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The split kernel's launch. With one split it writes the output itself and returns None; with several it
+    returns each (sequence, query head, split)'s running max, sum ([B, Hq, splits]) and output ([B, Hq, splits, D])
+    for the reduction (an empty split has max -inf)."""
+    batch, q_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
     split = num_splits > 1
     if split:
         part_max = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -137,18 +177,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_acc = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     else:
         part_max = part_sum = part_acc = out  # unused
-    head_dim_pad = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
-        scale * LOG2E, split_size,
+        scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows at least
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, SPLIT=split,
-        WIDEN_DOT=dot_needs_fp32(k_cache.dtype))
-    if split:
-        _decode_reduce_kernel[(batch, q_heads)](
-            out, part_max, part_sum, part_acc, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=triton.next_power_of_2(num_splits))
-    return out
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
+        MIN_SPLIT_TILES=MIN_TOKENS_PER_SPLIT // BLOCK_N, SPLIT=split, WIDEN_DOT=dot_needs_fp32(k_cache.dtype))
+    return (part_max, part_sum, part_acc) if split else None

@@ -14,8 +14,9 @@ import triton.language as tl
 from .triton_common import LOG2E, dot, dot_needs_fp32, load_paged, online_softmax_update, paged_slots
 
 
-
-@triton.jit
+# first_seq (the step's number of decodes) and the block table's width change from step to step: not specialised on,
+# so that a new value compiles no new variant mid-run (triton_aot.py counts the variants a run needs).
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
                     first_seq, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -70,13 +71,17 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, first_seq: int, num_seqs: int,
                   max_query_len: int, scale: float, out: torch.Tensor | None = None,
-                  block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                  block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Attention for the query rows of sequences first_seq .. first_seq + num_seqs - 1 of a varlen batch.
 
-    q: [T, Hq, D] holds the whole batch; only those sequences' rows of `out` are written.
+    q: [T, Hq, D] holds the whole batch; only those sequences' rows of `out` are written. The tiles default to
+    prefill_launch's; tests pass others.
     """
     total_tokens, q_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    default_m, default_n, num_warps = prefill_launch(head_dim_pad, k_cache.dtype)
+    block_m, block_n = block_m or default_m, block_n or default_n
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0 or total_tokens == 0:
@@ -86,7 +91,18 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        WIDEN_DOT=dot_needs_fp32(k_cache.dtype))
+        WIDEN_DOT=dot_needs_fp32(k_cache.dtype), num_warps=num_warps)
     return out
+
+
+def prefill_launch(head_dim_pad: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): the largest tiles that the AOT compile test (tests/test_triton_aot.py) shows
+    compiling without register spills for sm_80 and sm_90, with Triton 3.6 and 3.9. 16-bit: 64x64, key tiles of 32
+    for a head of 256. fp32 (no tensor cores, twice the bytes): 32x32; 64x64 spilled up to 10 KB per thread. 8 warps
+    from a (padded) head of 128 on: with 4, the [BLOCK_M, head] accumulator and the tiles spill on sm_80."""
+    num_warps = 8 if head_dim_pad >= 128 else 4
+    if dtype == torch.float32:
+        return 32, 32, num_warps
+    return 64, 32 if head_dim_pad >= 256 else 64, num_warps

@@ -1,0 +1,140 @@
+"""The ahead-of-time compile behind tests/test_triton_aot.py, in a process of its own (batchgen_kernels/triton_aot.py
+says why and how): `python tests/aot_runner.py --target sm_90 [--specialisations] --out report.json`.
+
+It writes the report of every case of the engine's matrix and of the planted bugs, the kernels the Triton modules
+define, and with --specialisations the variants a realistic run compiles: after the engine's warm-up, then after
+a sequence of eager and CUDA-graph steps on a Llama-3.2-1B-shaped model (on the meta device, 132 SMs as an H200).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import torch
+from transformers import LlamaConfig
+from triton.runtime.jit import JITFunction
+
+from batchgen.engine.cuda_graphs import DecodeGraphRunner
+from batchgen.engine.kernel_warmup import warm_up_attention
+from batchgen.models.registry import build_model
+from batchgen_kernels import AttentionMetadata, triton_aot, triton_decode, triton_prefill, triton_store
+
+KERNEL_MODULES = (triton_store, triton_decode, triton_prefill)
+MAX_MODEL_LEN = 131072  # Llama 3's context: what the CUDA graphs' metadata holds
+BLOCK_SIZE = 16
+H200_SMS = 132
+
+
+def defined_kernels() -> list[str]:
+    """Every kernel the Triton modules define (their helpers live in triton_common)."""
+    return sorted(fn.fn.__name__ for module in KERNEL_MODULES for fn in vars(module).values()
+                  if isinstance(fn, JITFunction) and fn.fn.__module__ == module.__name__)
+
+
+def meta_model() -> torch.nn.Module:
+    """Llama-3.2-1B's attention (32 query heads over 8 KV heads of 64) in bf16, two layers, on the meta device,
+    bound to a meta KV cache and the Triton backend."""
+    config = LlamaConfig(vocab_size=1024, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         max_position_embeddings=MAX_MODEL_LEN)
+    with torch.device("meta"):
+        model = build_model(config)
+    model = model.to(device="meta", dtype=torch.bfloat16).eval()
+    cache = torch.empty((model.num_layers, 2, 4096, BLOCK_SIZE, model.num_kv_heads, model.head_dim),
+                        dtype=torch.bfloat16, device="meta")
+    model.bind_kv_cache([cache[i, 0] for i in range(model.num_layers)], [cache[i, 1] for i in range(model.num_layers)],
+                        "triton")
+    return model
+
+
+def realistic_steps() -> list[tuple[list[int], list[int]]]:
+    """(query_lens, seq_lens) of eager steps as a run schedules them: prefills alone, decodes (0, 1, 3, 16 of them)
+    next to a prefill chunk, decode-only batches from 1 to 256 sequences with contexts from one block (a block
+    table one entry wide) to 40,000 tokens (1 to 32 splits)."""
+    steps = [([37, 120, 5], [37, 120, 5]), ([1, 30], [15, 46]), ([1, 1, 1, 64], [38, 121, 6, 264]),
+             ([1] * 16 + [200], [300] * 16 + [700])]
+    for batch in (1, 2, 7, 16, 64, 256):
+        for context in (9, 300, 2000, 40000):
+            steps.append(([1] * batch, [context] * batch))
+    return steps
+
+
+@torch.inference_mode()
+def run_steps(model: torch.nn.Module) -> None:
+    device = torch.device("meta")
+    for query_lens, seq_lens in realistic_steps():
+        tables = np.zeros((len(seq_lens), -(-max(seq_lens) // BLOCK_SIZE)), dtype=np.int32)
+        metadata = AttentionMetadata.build(query_lens, seq_lens, tables, np.zeros(sum(query_lens), dtype=np.int64),
+                                           device)
+        tokens = torch.zeros(sum(query_lens), dtype=torch.long, device=device)
+        model(tokens, tokens, metadata)
+    graphs = DecodeGraphRunner(model, BLOCK_SIZE, 64, MAX_MODEL_LEN, device, capture=False)
+    for size in graphs.sizes:  # what capturing every bucket's graph launches
+        model(graphs.input_ids[:size], graphs.positions[:size], graphs.metadata(size))
+
+
+@contextmanager
+def sms(count: int) -> Iterator[None]:
+    """The decode's split count as on a GPU with `count` SMs (off CUDA it assumes 8)."""
+    saved = triton_decode.num_sms
+    triton_decode.num_sms = lambda device: count
+    try:
+        yield
+    finally:
+        triton_decode.num_sms = saved
+
+
+def specialise_everything() -> None:
+    """The planted bug of the specialisation count: every argument specialised again, as without do_not_specialize."""
+    for module in KERNEL_MODULES:
+        for fn in vars(module).values():
+            if isinstance(fn, JITFunction):
+                for param in fn.params:
+                    param.do_not_specialize = False
+                fn.device_caches.clear()  # rebuilt, with the binder of the new params, on the next launch
+
+
+def specialisations(target: triton_aot.Target) -> dict:
+    """Distinct compiled variants per kernel after the engine's warm-up and after the realistic steps."""
+    model = meta_model()
+
+    def variants(launched) -> dict[str, int]:
+        hashes: dict[str, set[str]] = {}
+        for name, kernel in launched:
+            hashes.setdefault(name, set()).add(kernel.hash)
+        return {name: len(found) for name, found in sorted(hashes.items())}
+
+    with sms(H200_SMS), triton_aot.compile_only(target) as launched:
+        warm_up_attention(model, MAX_MODEL_LEN)
+        warm = variants(launched)
+        run_steps(model)
+        return {"after_warm_up": warm, "after_run": variants(launched), "launches": len(launched)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", choices=sorted(triton_aot.TARGETS), required=True)
+    parser.add_argument("--specialisations", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    target = triton_aot.TARGETS[args.target]
+
+    def compiled(cases: list[triton_aot.Case]) -> list[dict]:
+        return [dataclasses.asdict(triton_aot.compile_case(case, target)) for case in cases]
+
+    report = {"target": target.name, "defined_kernels": defined_kernels(), "cases": compiled(triton_aot.engine_cases()),
+              "planted": compiled(triton_aot.PLANTED)}
+    if args.specialisations:
+        report["specialisations"] = specialisations(target)
+        specialise_everything()
+        report["specialisations_planted"] = specialisations(target)
+    with open(args.out, "w") as out:
+        json.dump(report, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Every Triton kernel compiled ahead of time for sm_90 and sm_80 on this CPU machine, through the real launch
+wrappers (batchgen_kernels/triton_aot.py: how; tests/aot_runner.py: the run, one process per target, both at once).
+
+What it proves: each kernel compiles for the GPU at the engine's configurations and the kernel tests'; its shared
+memory fits the target; bf16/fp16 attention runs on tensor cores without spilling registers (fp32 spills are
+recorded, not failed); the engine's shape limits (triton_limits) sit where compilation starts failing; a run
+compiles no kernel after the engine's warm-up. The two planted bugs (head_dim 8, an oversized tile) must be
+reported as failures, so the checks are seen to bite. What it cannot prove: numbers, speed, and the launch itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from batchgen_kernels import triton_limits  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = ("sm_90", "sm_80")
+# The variants a run needs per kernel: the decode's one-split and several-split forms, one of each other kernel.
+VARIANT_BOUND = {"_store_kv_kernel": 1, "_decode_split_kernel": 2, "_decode_reduce_kernel": 1, "_prefill_kernel": 1}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict]:
+    """Both targets compiled at once, each in a fresh process with an empty Triton cache and no interpreter."""
+    base = tmp_path_factory.mktemp("aot")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "kernels")])
+    runs = {}
+    for target in TARGETS:
+        env_target = {**env, "TRITON_CACHE_DIR": str(base / f"cache-{target}")}
+        extra = ["--specialisations"] if target == "sm_90" else []
+        command = [sys.executable, str(REPO / "tests" / "aot_runner.py"), "--target", target,
+                   "--out", str(base / f"{target}.json"), *extra]
+        runs[target] = subprocess.Popen(command, env=env_target, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+    results = {}
+    for target, run in runs.items():
+        output, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, output[-4000:]
+        results[target] = json.loads((base / f"{target}.json").read_text())
+    return results
+
+
+def describe(report: dict) -> str:
+    case = report["case"]
+    return f"{report['target']} {case['dtype']} D{case['head_dim']} group {case['group']} block {case['block_size']}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_kernel_compiles_within_the_target_s_limits(reports, target):
+    failures = [f"{describe(r)}: {'; '.join(r['problems'])}" for r in reports[target]["cases"] if r["problems"]]
+    assert not failures, "\n".join(failures)
+    compiled = {v["kernel"] for r in reports[target]["cases"] for v in r["variants"]}
+    assert compiled == set(reports[target]["defined_kernels"]) == set(VARIANT_BOUND)
+
+
+@pytest.mark.parametrize("target, instruction", [("sm_90", "wgmma"), ("sm_80", "mma")])
+def test_16_bit_attention_runs_on_tensor_cores(reports, target, instruction):
+    """The checker fails a 16-bit case without tensor cores; this pins which instruction each target gets: Hopper's
+    wgmma for the prefill's 64-row tiles, mma.sync for the decode's (and everything on Ampere)."""
+    for report in reports[target]["cases"]:
+        if report["case"]["dtype"] == "float32":
+            assert all(not v["tensor_cores"] for v in report["variants"]), describe(report)  # IEEE fp32: no TF32
+            continue
+        found = {v["kernel"]: v["tensor_cores"] for v in report["variants"]}
+        assert found["_prefill_kernel"] == instruction and found["_decode_split_kernel"] == "mma", describe(report)
+
+
+def test_only_fp32_spills(reports):
+    notes = [(describe(r), note) for target in TARGETS for r in reports[target]["cases"] for note in r["notes"]]
+    assert all("float32" in case for case, _ in notes), notes
+    print("\n".join(f"{case}: {note}" for case, note in notes))  # the known fp32 spills, for the record
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("planted, expected", [(0, "does not compile: CompilationError: Input shapes should have"),
+                                               (1, "_prefill_kernel needs")])
+def test_the_planted_bugs_are_reported(reports, target, planted, expected):
+    """The checker's teeth: head_dim 8 (tl.dot needs 16) and a 64x256 prefill tile (shared memory) both fail."""
+    report = reports[target]["planted"][planted]
+    assert report["problems"] and report["problems"][0].startswith(expected), report["problems"]
+    if planted == 1:
+        assert "shared memory" in report["problems"][0]
+
+
+def test_the_engine_s_limits_sit_where_compilation_fails(reports):
+    """Every compiled case is inside triton_limits' envelope (its edges included: the matrix has them), and the
+    planted head_dim, which does not compile, is outside it: the engine refuses exactly what fails."""
+    for report in reports["sm_90"]["cases"]:
+        case = report["case"]
+        dtype = getattr(torch, case["dtype"])
+        assert triton_limits.unsupported_reason(case["head_dim"], case["group"] * case["num_kv_heads"],
+                                                case["num_kv_heads"], dtype) is None, describe(report)
+    head_dims = {(r["case"]["dtype"], r["case"]["head_dim"]) for r in reports["sm_90"]["cases"]}
+    assert {("bfloat16", triton_limits.MIN_HEAD_DIM), ("bfloat16", 256), ("float32", 128)} <= head_dims
+    planted = reports["sm_90"]["planted"][0]["case"]
+    assert "below 16" in triton_limits.unsupported_reason(planted["head_dim"], 8, 2, torch.bfloat16)
+
+
+def test_a_run_compiles_nothing_after_the_warm_up(reports):
+    """A realistic sequence of eager and CUDA-graph steps (0, 1, 3, 16 decodes next to a prefill; 1 to 256
+    sequences; contexts of one block to 40,000 tokens, 1 to 32 splits) compiles no variant the engine's warm-up
+    did not, and the variants are the bounded set. Planted: with every argument specialised again (no
+    do_not_specialize), the same steps compile new variants, so the count has teeth."""
+    found = reports["sm_90"]["specialisations"]
+    assert found["after_run"] == found["after_warm_up"] == VARIANT_BOUND, found
+    assert found["launches"] > 100
+    planted = reports["sm_90"]["specialisations_planted"]
+    assert planted["after_warm_up"] == VARIANT_BOUND
+    assert planted["after_run"]["_prefill_kernel"] > 1 and planted["after_run"]["_decode_split_kernel"] > 2, planted
