@@ -105,14 +105,16 @@ struct Item {
 };
 
 struct Scratch {  // one per thread; the packed K/V grow to the longest key range an item of the thread needs
-  std::vector<float> q, kt, v, s, acc, run_max, run_sum;
+  std::vector<float> q, kt, v, s, acc, run_max;
+  std::vector<float> run_sum;  // 16 lanes per row, added up once at the end (not once per tile)
   Scratch(int64_t rows, int64_t dim, int64_t padded_dim)
-      : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), run_max(rows), run_sum(rows) {}
+      : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), run_max(rows), run_sum(rows * 16) {}
 };
 
 // s[r][0:kKeys] = q[r] . keys, for R rows at a time; kt holds the tile's keys transposed, [dim][kKeys].
+// The micro-kernels are kept out of line: inlined into the item loop they share its registers and spill.
 template <int R>
-inline void score_rows(const float* q, const float* kt, float* s, int64_t dim) {
+__attribute__((noinline)) void score_rows(const float* q, const float* kt, float* s, int64_t dim) {
   Vec16 acc[R][kVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kVecs; ++c) acc[r][c] = Vec16{};
@@ -133,7 +135,7 @@ inline void score_rows(const float* q, const float* kt, float* s, int64_t dim) {
 
 // acc[r][offset : offset + 16 C] += sum over t < n of p[r][t] * v[t][same range], for R rows, in registers.
 template <int R, int C>
-inline void accumulate_rows(float* acc, const float* p, const float* v, int64_t n, int64_t padded_dim,
+__attribute__((noinline)) void accumulate_rows(float* acc, const float* p, const float* v, int64_t n, int64_t padded_dim,
                             int64_t offset) {
   Vec16 sums[R][C];
   for (int r = 0; r < R; ++r)
@@ -236,7 +238,7 @@ struct Prefill {
       }
     std::fill(w.acc.begin(), w.acc.begin() + rows * padded_dim, 0.0f);
     std::fill(w.run_max.begin(), w.run_max.begin() + rows, -std::numeric_limits<float>::infinity());
-    std::fill(w.run_sum.begin(), w.run_sum.begin() + rows, 0.0f);
+    std::fill(w.run_sum.begin(), w.run_sum.begin() + rows * 16, 0.0f);
 
     const int64_t key_end = first_pos + positions;  // keys [0, key_end) are visible to some row of the tile
     for (int64_t start = 0; start < key_end; start += kKeys) {
@@ -270,7 +272,7 @@ struct Prefill {
           store16(s + 16 * c, p);
           total += p;
         }
-        w.run_sum[m] = w.run_sum[m] * correction + sum_lanes(total);
+        store16(w.run_sum.data() + m * 16, load16(w.run_sum.data() + m * 16) * correction + total);
         w.run_max[m] = tile_max;
         if (correction != 1.0f) {
           float* a = w.acc.data() + m * padded_dim;
@@ -285,7 +287,7 @@ struct Prefill {
     const int64_t q_heads = kv_heads * group;
     for (int64_t m = 0; m < rows; ++m) {
       const int64_t token = starts[seq] + first_row + m / group, h = head * group + m % group;
-      const float inv = 1.0f / w.run_sum[m];  // >= 1: key 0 is visible to every row
+      const float inv = 1.0f / sum_lanes(load16(w.run_sum.data() + m * 16));  // >= 1: key 0 is visible to all
       const float* a = w.acc.data() + m * padded_dim;
       QT* o = out + (token * q_heads + h) * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<QT>(a[d] * inv);
