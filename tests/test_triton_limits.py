@@ -24,6 +24,15 @@ from batchgen_kernels.triton_limits import MAX_GROUP, MIN_HEAD_DIM, unsupported_
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
 
 
+@pytest.fixture(autouse=True)
+def triton_runs_on_cuda(monkeypatch):
+    """As on a GPU whose probe kernel runs (kernels/batchgen_kernels/triton_probe.py): `auto` on CUDA means Triton."""
+    from batchgen_kernels import triton_probe
+
+    monkeypatch.setattr(triton_probe, "_results", {})
+    monkeypatch.setattr(triton_probe, "launch", lambda device: None)
+
+
 def config(head_dim=64, heads=8, kv_heads=2):
     return LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
