@@ -37,9 +37,9 @@ def test_prefill_matches_reference(dtype, block_size, group, head_dim):
 
 
 @pytest.mark.parametrize("prefix", [0, 1, 15, 16, 17, 300])
-@pytest.mark.parametrize("q_len", [1, 2, 31, 32, 33, 64, 130])
+@pytest.mark.parametrize("q_len", [1, 2, 31, 32, 33, 63, 64, 65, 130])
 def test_every_length_around_the_tiles(prefix, q_len):
-    """Query tiles are 32 positions and key tiles 32 keys: lengths on and around those edges, and a one-token
+    """Query tiles are 32 positions and key tiles 64 keys: lengths on and around those edges, and a one-token
     'prefill' (a prompt whose prefix was all cached but its last token)."""
     q, k_cache, v_cache, md = make_case([q_len], [prefix + q_len], block_size=16, group=3, head_dim=64, seed=q_len)
     assert_close(*prefill_both(q, k_cache, v_cache, md, 0.125))

@@ -30,7 +30,7 @@
 namespace {
 
 constexpr int64_t kRows = 32;  // query positions attended together
-constexpr int64_t kKeys = 32;  // keys per tile: kKeys / 16 vectors of scores per query row
+constexpr int64_t kKeys = 64;  // keys per tile: kKeys / 16 vectors of scores per query row
 constexpr int kVecs = kKeys / 16;
 constexpr int64_t kPrefetch = 8;  // keys ahead whose K/V rows pack() requests early
 
@@ -39,7 +39,7 @@ typedef int32_t Int16 __attribute__((vector_size(64)));
 
 // Rows per register block: AVX-512 has 32 vector registers, AVX2 16 (and a Vec16 takes two of them).
 #ifdef __AVX512F__
-constexpr int kScoreRows = 8, kValueRows = 4;  // 16 score and 16 value accumulators
+constexpr int kScoreRows = 6, kValueRows = 4;  // 24 score and 16 value accumulators
 #else
 constexpr int kScoreRows = 1, kValueRows = 2;
 #endif
