@@ -44,6 +44,16 @@ constexpr int kScoreRows = 6, kValueRows = 4;  // 24 score and 16 value accumula
 constexpr int kScoreRows = 1, kValueRows = 2;
 #endif
 
+// Makes the compiler materialise `v` in a register here (an empty asm that claims to change it), so that it is
+// loaded once rather than folded into every instruction that reads it. Only where a Vec16 fits one register.
+inline void keep_in_register(Vec16& v) {
+#ifdef __AVX512F__
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+
 // fast_exp.h's arithmetic on 16 lanes at once (round to nearest by the 1.5 * 2^23 trick instead of nearbyint).
 inline Vec16 exp16(Vec16 x) {
   x = x < -87.0f ? Vec16{} - 87.0f : x;
@@ -122,7 +132,7 @@ __attribute__((noinline)) void score_rows(const float* q, const float* kt, float
     Vec16 k[kVecs];
     for (int c = 0; c < kVecs; ++c) {
       k[c] = load16(kt + d * kKeys + 16 * c);
-      asm("" : "+v"(k[c]));  // in a register, not folded into (and reloaded by) each row's multiply-add
+      keep_in_register(k[c]);  // not folded into (and reloaded by) each row's multiply-add
     }
     for (int r = 0; r < R; ++r) {
       const float x = q[r * dim + d];
@@ -144,7 +154,7 @@ __attribute__((noinline)) void accumulate_rows(float* acc, const float* p, const
     Vec16 row[C];
     for (int c = 0; c < C; ++c) {
       row[c] = load16(v + t * padded_dim + offset + 16 * c);
-      asm("" : "+v"(row[c]));  // keep the row in a register: folded into each multiply-add it would be loaded R times
+      keep_in_register(row[c]);  // folded into each multiply-add instead, it would be loaded R times
     }
     for (int r = 0; r < R; ++r) {
       const float w = p[r * kKeys + t];
