@@ -59,7 +59,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     model = load_model(model_dir, dtype.dtype, device, args.quantization)
     if args.quantization == "int8":  # said at every run, not only in the README: outputs change
         logger.warning("quantization int8: weights and (on the CPU) activations in int8; on the default model this "
-                       "raised perplexity by ~4% and changed most greedy outputs (README, Performance)")
+                       "raised perplexity by ~4.5% and changed most greedy outputs (README, Performance)")
     if packing_supported(device, dtype.dtype):
         packed = pack_linears(model)  # 0 with int8, whose loader already released the checkpoint's pages
         logger.info("linear layers: oneDNN, %d weights packed", packed)
