@@ -52,8 +52,11 @@ def choose_backend(device: torch.device | str, name: str = "auto") -> BackendCho
         if device.type != "cpu":
             raise ValueError(f"the cpu attention backend runs on CPU tensors, not on {device.type}")
         from . import cpu_backend
-        if cpu_backend.available():
+        if cpu_backend.preferred() or (name == "cpu" and cpu_backend.available()):
             return BackendChoice("cpu", "C++ CPU kernels")
+        if cpu_backend.available():  # auto, built without AVX-512: torch's kernels are faster there
+            return BackendChoice("torch", "torch reference: auto on a CPU without AVX-512 (the C++ attention "
+                                          "kernels are slower than torch's there)")
         problem = "the C++ CPU kernels could not be built (the warning above says why)"
         return BackendChoice("torch", f"torch reference: {problem}", problem)
     return BackendChoice("torch", "torch reference: " + ("set in attention_backend" if name == "torch"

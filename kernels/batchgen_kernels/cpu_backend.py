@@ -14,12 +14,19 @@ from . import cpu_build, reference
 from .metadata import AttentionMetadata
 from .reference import store_kv
 
-__all__ = ["available", "paged_attention", "paged_decode", "paged_prefills", "store_kv"]
+__all__ = ["available", "paged_attention", "paged_decode", "paged_prefills", "preferred", "store_kv"]
 
 
 def available() -> bool:
     """Whether the C++ kernels are built and loaded (building them on first call; one warning if that fails)."""
     return cpu_build.load()
+
+
+def preferred() -> bool:
+    """Whether `auto` should use these kernels: built, and for a CPU with AVX-512. Built for AVX2 their 16-lane
+    vectors are split and spilled, and the attention kernels ran several times slower than the torch reference
+    (`BATCHGEN_CPU_MARCH=x86-64-v3 BATCHGEN_CACHE_DIR=/tmp/avx2 python scripts/microbench_attention.py cpu-prefill`)."""
+    return available() and torch.ops.batchgen.wide_vectors()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

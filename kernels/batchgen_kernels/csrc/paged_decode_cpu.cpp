@@ -243,12 +243,23 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// Whether this build has 16-float vector registers (AVX-512). The kernels' 16-lane vector code is written for them;
+// built for AVX2, the compiler splits and spills it and the attention kernels run several times slower than torch's.
+bool wide_vectors() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 // A fragment, not TORCH_LIBRARY: other batchgen ops may define themselves in the same namespace.
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale)"
         " -> Tensor");
+  m.def("wide_vectors() -> bool", &wide_vectors);
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("paged_decode", &paged_decode); }
