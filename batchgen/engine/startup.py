@@ -71,7 +71,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     pool = kv_pool_size(model, args, dtype.dtype, device)
     max_model_len = context_length(args, model.max_model_len, pool.num_blocks)
     runner = ModelRunner(model, pool.num_blocks, args.block_size, dtype.dtype, device, eos, args.attention_backend)
-    if device.type == "cuda" and uses_triton(device, args.attention_backend):
+    if attention.name == "triton" and device.type == "cuda":  # the kernels chosen above
         compile_attention_kernels(model, max_model_len)  # no step of the run compiles a kernel
     if device.type == "cuda" and not args.enforce_eager:
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention)
