@@ -7,6 +7,10 @@ from typing import Any
 
 from .errors import SettingError
 
+MAX_N = 128  # samples per request
+MAX_LOGPROBS = 20  # top alternatives per output token (vLLM's default cap)
+CONSTRAINT_KEYS = ("choice", "regex", "json_schema", "grammar")
+
 
 @dataclass
 class SamplingParams:
@@ -26,12 +30,30 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    n: int = 1  # samples of this prompt: one prefill, its KV blocks shared by the samples
+    logprobs: int | None = None  # per output token its logprob and this many top alternatives (vLLM's meaning)
+    # Constrained output, at most one of them (structured.py):
+    choice: list[str] = field(default_factory=list)  # the output is exactly one of these, scored, not decoded
+    regex: str | None = None  # the output fully matches this regular expression
+    json_schema: str | None = None  # the output is JSON valid under this schema (its JSON text)
+    grammar: str | None = None  # the output is in this EBNF grammar (xgrammar's dialect, GBNF-like)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.choice = list(self.choice or [])
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(key, text) of the grammar that constrains decoding (regex, json_schema or grammar), or None. `choice`
+        is not decoded under a grammar but scored."""
+        for key in CONSTRAINT_KEYS[1:]:
+            value = getattr(self, key)
+            if value is not None:
+                return key, value
+        return None
 
     def validate(self) -> None:
         """Raise SettingError for the first invalid field."""
@@ -80,6 +102,31 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+        num("n", self.n, int)
+        if not 1 <= self.n <= MAX_N:
+            raise SettingError("n", f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.logprobs is not None:
+            num("logprobs", self.logprobs, int)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise SettingError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self._validate_constraint()
+
+    def _validate_constraint(self) -> None:
+        set_keys = [key for key in CONSTRAINT_KEYS if getattr(self, key) not in (None, [])]
+        if len(set_keys) > 1:
+            raise SettingError(set_keys[1], f"set at most one of {', '.join(CONSTRAINT_KEYS)}; got "
+                                            f"{' and '.join(set_keys)}")
+        if not isinstance(self.choice, list) or not all(isinstance(c, str) and c for c in self.choice):
+            raise SettingError("choice", f"choice must be a list of non-empty strings, got {self.choice!r}")
+        if len(set(self.choice)) != len(self.choice):
+            raise SettingError("choice", "choice lists a string twice")
+        for key in CONSTRAINT_KEYS[1:]:
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise SettingError(key, f"{key} must be a non-empty string, got {value!r}")
+        if self.constraint is not None:
+            from .structured import check_constraint
+            check_constraint(*self.constraint)  # SettingError naming the key: malformed, or no grammar library
 
 
 @dataclass
@@ -109,6 +156,10 @@ class Result:
     first_scheduled_time: float | None
     first_token_time: float | None
     finish_time: float
+    sample_index: int = 0  # which of the request's n samples (its results come out of one step, together)
+    choice_probs: list[tuple[str, float]] | None = None  # with `choice`: each candidate and its probability
+    logprobs: list[float] | None = None  # with `logprobs`: each output token's logprob
+    top_logprobs: list[list[tuple[str, int, float]]] | None = None  # per output token: (text, id, logprob)
 
     @classmethod
     def for_error(cls, request_id: Any, message: str, prompt_tokens: int, now: float) -> "Result":
