@@ -7,6 +7,7 @@ from batchgen.engine.kv_cache_manager import KVCacheManager
 from batchgen.engine.request import Request, SamplingParams
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import Sequence, SequenceStatus
+from batchgen.engine.step_output import StepOutput
 
 
 def make_seq(n, rid, max_tokens=100):
@@ -20,7 +21,7 @@ def run_step(sched, token=7):
     out = sched.schedule()
     sampled = [seq for seq, n in out.num_scheduled_tokens.items() if seq.num_computed_tokens + n == seq.num_tokens]
     finished = sched.update_from_output(
-        out, sampled, [token] * len(sampled),
+        out, StepOutput(sampled, [token] * len(sampled)),
         lambda seq, _: "length" if seq.num_output_tokens >= seq.params.max_tokens else None)
     out.sampled = sampled
     return out, finished

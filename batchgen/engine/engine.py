@@ -9,12 +9,15 @@ from typing import Any
 from .engine_args import EngineArgs
 from .kv_cache_manager import KVCacheManager
 from .output_processor import OutputProcessor
+from .errors import SettingError
 from .process_memory import peak_rss_bytes
 from .request import Request, Result
+from .request_group import RequestGroup
 from .sampler import PenaltyState, has_penalty
 from .scheduler import Scheduler, StepStats
-from .sequence import Sequence
+from .sequence import SequenceStatus
 from .startup import set_up
+from .structured import GrammarCompiler
 
 
 class Engine:
@@ -35,8 +38,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = setup.runner
         self.output = OutputProcessor(self.tokenizer, setup.eos_token_ids, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, setup.eos_token_ids)
         self._seeds = random.Random(args.seed)
-        self._unfinished: dict[Any, Sequence] = {}  # by request id
+        self._unfinished: dict[Any, RequestGroup] = {}  # by request id
         self._rejected: list[Result] = []  # error results of requests not admitted, returned by the next step()
         self.num_steps = 0
         self.last_step: StepStats | None = None
@@ -45,21 +49,32 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         """Queue a request. One that cannot run (invalid sampling parameters, an empty, out-of-vocabulary or too
-        long prompt) is not raised: its error Result comes out of the next step()."""
+        long prompt, a constraint that does not compile) is not raised: its error Result comes out of the next
+        step(). A request with n samples yields n Results, together, from one step()."""
         if request.request_id in self._unfinished:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         problem = self._check(request)
+        candidates, new_matcher = None, lambda: None
+        if problem is None:
+            try:
+                candidates = self._candidates(request)
+                new_matcher = self._matcher_factory(request)
+            except SettingError as exc:
+                problem = str(exc)
         if problem is not None:
             self._rejected.append(self.output.error(request, problem))
             return
         params = request.sampling_params
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        seq = Sequence.from_request(request, seed)
-        if has_penalty(params):
-            seq.penalty_state = PenaltyState(seq.token_ids, self.vocab_size, self.device)
-        self.output.track(seq)
-        self._unfinished[request.request_id] = seq
-        self.scheduler.add(seq)
+        group = RequestGroup(request, seed, candidates, new_matcher)
+        for seq in group.members:
+            if seq.samples:
+                if has_penalty(params):
+                    seq.penalty_state = PenaltyState(seq.token_ids, self.vocab_size, self.device)
+                self.output.track(seq)
+        self._unfinished[request.request_id] = group
+        for seq in group.first_sequences:
+            self.scheduler.add(seq)
 
     def step(self) -> list[Result]:
         """One engine step. Returns the results that finished in it, after the error results of requests added
@@ -72,19 +87,24 @@ class Engine:
             raise RuntimeError("scheduler could not schedule any work")  # the admission checks rule this out
         self.last_step = out.stats()
         self.runner.zero_blocks_below(self.kv_cache_manager.pool.num_touched)
-        sampled, tokens = self.runner.execute(out.num_scheduled_tokens)
+        self.runner.copy_blocks(self.kv_cache_manager.take_pending_copies())
+        step = self.runner.execute(out.num_scheduled_tokens)
         self.num_steps += 1
-        for seq in self.scheduler.update_from_output(out, sampled, tokens, self.output.stop_reason):
-            del self._unfinished[seq.request_id]
-            results.append(self.output.result(seq))
+        for seq in self.scheduler.update_from_output(out, step, self.output.stop_reason):
+            group = self._unfinished[seq.request_id]
+            if group.on_finished(seq):
+                del self._unfinished[seq.request_id]
+                results.extend(group.results(self.output))
         return results
 
     def abort(self, request_id: Any) -> bool:
         """Drop an unfinished request, giving back its KV blocks; it yields no Result. False if it is unknown."""
-        seq = self._unfinished.pop(request_id, None)
-        if seq is None:
+        group = self._unfinished.pop(request_id, None)
+        if group is None:
             return False
-        self.scheduler.abort(seq)
+        for seq in group.sequences:
+            if seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.abort(seq)
         return True
 
     def has_unfinished(self) -> bool:
@@ -156,4 +176,26 @@ class Engine:
                     f"(at least one must be left to generate)")
         if params.stop and self.tokenizer is None:
             return "stop strings need a tokenizer and this model has none"
+        if params.choice and self.tokenizer is None:
+            return "choice needs a tokenizer and this model has none"
         return None
+
+    def _candidates(self, request: Request) -> list[list[int]] | None:
+        """The token ids of each `choice` string, as the model would write it as its answer."""
+        choice = request.sampling_params.choice
+        if not choice:
+            return None
+        candidates = [self.tokenizer.encode(text, add_special_tokens=False) for text in choice]
+        longest = len(request.prompt_token_ids) + max(map(len, candidates))
+        if longest > self.max_model_len:
+            raise SettingError("choice", f"prompt and longest choice make {longest} tokens, more than the "
+                                         f"{self.max_model_len} the engine holds")
+        return candidates
+
+    def _matcher_factory(self, request: Request):
+        """A function making a fresh grammar matcher for each sample of a constrained request (None without)."""
+        constraint = request.sampling_params.constraint
+        if constraint is None:
+            return lambda: None
+        self.grammars.matcher(*constraint)  # compiles now: a constraint that fails is this request's error
+        return lambda: self.grammars.matcher(*constraint)

@@ -1,4 +1,8 @@
-"""Per-request KV block bookkeeping on top of the BlockPool: prefix-cache lookups, slot allocation, freeing."""
+"""Per-request KV block bookkeeping on top of the BlockPool: prefix-cache lookups, slot allocation, forks, freeing.
+
+A fork shares all of a sequence's blocks by reference count. Full blocks are never written again, so sharing them
+is free; a shared block that is only partly filled is copied the first time a sharer writes into it (copy on
+write): the copy is queued in `pending_copies` for the model runner to make before the step's forward pass."""
 from __future__ import annotations
 
 from .block_pool import BlockPool, KVBlock
@@ -10,6 +14,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pending_copies: list[tuple[int, int]] = []  # (source block id, destination block id)
 
     @property
     def num_free_blocks(self) -> int:
@@ -34,10 +39,15 @@ class KVCacheManager:
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_needed - len(seq.blocks) - len(computed_blocks)
+        # Writing into a partly filled block that a fork shares: this sequence needs its own copy.
+        copy_last = (num_new_tokens > 0 and num_computed % self.block_size != 0
+                     and seq.blocks[num_computed // self.block_size].ref_count > 1)
         # Free cache hits sit in the free queue: adopting them takes them out of it.
         num_free_hits = sum(1 for block in computed_blocks if block.ref_count == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+        if num_new_blocks + copy_last > self.pool.num_free_blocks - num_free_hits:
             return False
+        if copy_last:
+            self._copy_on_write(seq, num_computed // self.block_size)
         self.pool.touch(list(computed_blocks))
         new_blocks = list(computed_blocks)
         if num_new_blocks > 0:
@@ -54,6 +64,26 @@ class KVCacheManager:
             for block, block_hash in zip(seq.blocks[first:len(hashes)], hashes[first:]):
                 self.pool.cache_block(block, block_hash)
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` takes a reference on every block of `parent` and continues from its computed tokens."""
+        self.pool.touch(parent.blocks)
+        child.blocks = list(parent.blocks)
+        child.block_ids = parent.block_ids.copy()
+        child.block_hashes = list(parent.block_hashes)  # its tokens extend the parent's
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        shared = seq.blocks[index]  # the last block: a sequence writes only at its end
+        (own,) = self.pool.get_new_blocks(1)
+        self.pending_copies.append((shared.block_id, own.block_id))
+        self.pool.free_blocks([shared])
+        seq.blocks[index] = own
+        seq.block_ids.replace_last(own)
 
     def free(self, seq: Sequence) -> None:
         """Release a sequence's blocks tail first, so the shared head of a prefix stays cached longest."""

@@ -8,7 +8,8 @@ from batchgen_kernels import AttentionMetadata
 
 from .cuda_graphs import DecodeGraphRunner
 from .sampler import Sampler, SamplingBatch
-from .sequence import Sequence
+from .sequence import Sequence, SequenceRole
+from .step_output import StepOutput
 
 
 class ModelRunner:
@@ -60,9 +61,17 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.from_numpy(positions).to(self.device, non_blocking=True), metadata)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, every layer's K and V: (source id, destination id) pairs (copy on write)."""
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
     @torch.inference_mode()
-    def execute(self, scheduled: dict[Sequence, int]) -> tuple[list[Sequence], list[int]]:
-        """Run one step. Returns the sequences that reached their last token this step and the token each sampled."""
+    def execute(self, scheduled: dict[Sequence, int]) -> StepOutput:
+        """Run one step: sample a token for each GENERATE sequence that reached its last token, score the
+        positions of SCORE sequences."""
         # Decodes (one new token) first: the attention backends batch them together.
         batch = sorted(scheduled.items(), key=lambda item: item[1] != 1)
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
@@ -71,20 +80,85 @@ class ModelRunner:
             input_ids, positions, metadata = self._prepare(batch)
             hidden = self.model(input_ids, positions, metadata)
 
-        rows, sampling_seqs = [], []
+        rows, sampling_seqs, scoring = [], [], []
         end = 0
         for seq, n in batch:
             end += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
+            if seq.num_computed_tokens + n == seq.num_tokens and seq.samples:
                 rows.append(end - 1)
                 sampling_seqs.append(seq)
-        if not sampling_seqs:
-            return [], []
-        if len(rows) < hidden.shape[0]:  # else every row samples (a decode-only step): no gather, no copy
+        score_rows, end = [], 0
+        for seq, n in batch:
+            end += n
+            if seq.role is SequenceRole.SCORE:
+                first = max(seq.num_computed_tokens, seq.score_from)  # positions computed now and scored
+                last = seq.num_computed_tokens + n
+                if first < last:
+                    scoring.append((seq, first, last - first))
+                    start_row = end - n + (first - seq.num_computed_tokens)
+                    score_rows.extend(range(start_row, start_row + last - first))
+        if not sampling_seqs and not scoring:
+            return StepOutput()
+        rows += score_rows
+        if len(rows) < hidden.shape[0] or rows != list(range(len(rows))):
             hidden = hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
         logits = self.model.compute_logits(hidden)
+        out = StepOutput()
+        if scoring:
+            out.scores = self._scores(logits[len(sampling_seqs):], scoring)
+        if sampling_seqs:
+            self._sample(logits[: len(sampling_seqs)], sampling_seqs, out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], out: StepOutput) -> None:
+        wants_logprobs = [seq.params.logprobs is not None for seq in seqs]
+        if any(wants_logprobs):  # the model's own distribution: before penalties, masks and temperature
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+        matchers = {row: seq.matcher for row, seq in enumerate(seqs) if seq.matcher is not None}
         sampling = SamplingBatch.build(
-            [seq.params for seq in sampling_seqs], [seq.seed for seq in sampling_seqs],
-            [seq.num_output_tokens for seq in sampling_seqs], [seq.penalty_state for seq in sampling_seqs],
-            self.eos_token_ids, logits.shape[-1], self.device)
-        return sampling_seqs, self.sampler(logits, sampling).tolist()
+            [seq.params for seq in seqs], [seq.seed for seq in seqs],
+            [seq.num_output_tokens for seq in seqs], [seq.penalty_state for seq in seqs],
+            self.eos_token_ids, logits.shape[-1], self.device, matchers=matchers or None)
+        tokens = self.sampler(logits, sampling)
+        out.sampled, out.tokens = seqs, tokens.tolist()
+        out.logprobs = [None] * len(seqs)
+        if any(wants_logprobs):
+            chosen = logprobs.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
+            k = max(seq.params.logprobs for seq in seqs if seq.params.logprobs is not None)
+            tops = _top(logprobs, k)
+            for row, seq in enumerate(seqs):
+                if wants_logprobs[row]:
+                    out.logprobs[row] = (chosen[row], tops[row][: seq.params.logprobs])
+
+    def _scores(self, logits: torch.Tensor, scoring: list[tuple[Sequence, int, int]]):
+        """Per SCORE sequence: the logprob of the token after each scored position; after its last token, of
+        ending there (any EOS token)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = []
+        for seq, first, count in scoring:
+            following = seq.token_ids[first + 1:first + 1 + count]
+            targets.extend(following + [-1] * (count - len(following)))  # -1: the end, after the last token
+        target = torch.tensor(targets, dtype=torch.long, device=logprobs.device)
+        values = logprobs.gather(-1, target.clamp(min=0).view(-1, 1)).squeeze(-1)
+        if (target < 0).any():
+            eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=logprobs.device)
+            values = torch.where(target < 0, logprobs[:, eos].logsumexp(dim=-1), values)
+        values = values.tolist()
+        k = max((seq.params.logprobs or 0) for seq, _, _ in scoring)
+        tops = _top(logprobs, k) if k else None
+        result, row = [], 0
+        for seq, first, count in scoring:
+            seq_tops = tops[row:row + count] if tops is not None and seq.params.logprobs else None
+            if seq_tops is not None:
+                seq_tops = [top[: seq.params.logprobs] for top in seq_tops]
+            result.append((seq, first, values[row:row + count], seq_tops))
+            row += count
+        return result
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """Each row's k most likely tokens as (id, logprob), best first."""
+    if k == 0:
+        return [[] for _ in range(logprobs.shape[0])]
+    values, ids = logprobs.topk(k, dim=-1)
+    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]

@@ -60,7 +60,18 @@ class OutputProcessor:
                       output_tokens=seq.num_output_tokens, cached_tokens=max(seq.num_cached_tokens, 0),
                       num_preemptions=seq.num_preemptions, arrival_time=wall(seq.arrival_time),
                       first_scheduled_time=wall(seq.first_scheduled_time),
-                      first_token_time=wall(seq.first_token_time), finish_time=wall(seq.finish_time))
+                      first_token_time=wall(seq.first_token_time), finish_time=wall(seq.finish_time),
+                      sample_index=seq.sample_index, logprobs=seq.token_logprobs,
+                      top_logprobs=None if seq.top_logprobs is None else [self.named_top(t) for t in seq.top_logprobs])
+
+    def named_top(self, top: list[tuple[int, float]]) -> list[tuple[str, int, float]]:
+        """(token id, logprob) alternatives with each token's text."""
+        return [(self.token_text(token), token, logprob) for token, logprob in top]
+
+    def token_text(self, token: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def error(self, request: Request, message: str) -> Result:
         ids = request.prompt_token_ids

@@ -1,8 +1,8 @@
-"""Turns a step's logits into one token per sequence: penalties, min_tokens masking, temperature, top-k, top-p,
-min-p, then a draw whose randomness depends only on the request's (seed, output position).
+"""Turns a step's logits into one token per sequence: grammar masks, penalties, min_tokens masking, temperature,
+top-k, top-p, min-p, then a draw whose randomness depends only on the request's (seed, output position).
 
-Order (vLLM's): penalties and min_tokens masking on the raw logits (greedy rows take the argmax here), then
-temperature -> top-k -> top-p -> min-p -> sample.
+Order (vLLM's): the grammar's token bitmask, then penalties and min_tokens masking on the logits (greedy rows take
+the argmax here), then temperature -> top-k -> top-p -> min-p -> sample.
 """
 from __future__ import annotations
 
@@ -46,16 +46,18 @@ class SamplingBatch:
     # min_tokens: logits[banned_rows, banned_tokens] = -inf; None when no row is below its min_tokens.
     banned_rows: Tensor | None = None
     banned_tokens: Tensor | None = None
+    # Grammar-constrained rows: row -> its structured.Matcher; None when no row is constrained.
+    matchers: dict | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], num_output_tokens: list[int],
               penalty_states: list["PenaltyState | None"], eos_token_ids: list[int], vocab_size: int,
-              device) -> "SamplingBatch":
+              device, matchers: dict | None = None) -> "SamplingBatch":
         """penalty_states: each row's PenaltyState, None for rows without a penalty."""
         num_rows = len(params)
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
         banned = _min_tokens_bans(params, num_output_tokens, eos_token_ids, vocab_size)
-        batch = cls(num_rows, all(greedy), any(state is not None for state in penalty_states))
+        batch = cls(num_rows, all(greedy), any(state is not None for state in penalty_states), matchers=matchers)
         if banned:
             batch.banned_rows = torch.tensor([row for row, _ in banned], dtype=torch.long, device=device)
             batch.banned_tokens = torch.tensor([token for _, token in banned], dtype=torch.long, device=device)
@@ -135,11 +137,19 @@ def has_penalty(params: SamplingParams) -> bool:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._bitmask = None  # a structured.TokenBitmask, made for the first constrained row
+
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """logits: [B, V] fp32, one row per row of `batch`. Returns the sampled token ids, LongTensor [B]."""
-        if batch.all_greedy and not batch.any_penalty and batch.banned_rows is None:
+        if batch.all_greedy and not batch.any_penalty and batch.banned_rows is None and batch.matchers is None:
             return logits.argmax(dim=-1)
         logits = logits.float().clone()
+        if batch.matchers is not None:
+            if self._bitmask is None:
+                from .structured import TokenBitmask
+                self._bitmask = TokenBitmask(logits.shape[-1])
+            self._bitmask.apply(logits, batch.matchers)
         if batch.any_penalty:
             logits = apply_penalties(logits, batch)
         if batch.banned_rows is not None:

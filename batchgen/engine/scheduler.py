@@ -10,6 +10,9 @@ share (the budget is spent front to back):
 - every admission costs at least one token of the step's budget, so no more sequences run than
   max_num_batched_tokens: each running sequence is scheduled in every step that preempts nothing, even when
   max_num_batched_tokens < max_num_seqs (which vLLM refuses). None holds KV blocks while it starves.
+A request that fans out (n samples, `choice` candidates) bends both a little: its PREFIX sequence, once computed,
+is replaced at the tail of `running` by its forks, which share its blocks and each still have a few tokens to
+compute; its admission reserves room for all of them under max_num_seqs.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceRole, SequenceStatus
+from .step_output import StepOutput
 
 
 @dataclass
@@ -87,6 +91,8 @@ class Scheduler:
         if not out.preempted:  # blocks are short: admitting now would only preempt again
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if self.running and len(self.running) + seq.num_seqs_when_running > self.max_num_seqs:
+                    break
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit_tokens, budget)
                 if not self.kv_cache_manager.allocate_slots(seq, num_new, hits):
@@ -104,16 +110,28 @@ class Scheduler:
                 budget -= num_new
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[Sequence], tokens: list[int],
+    def update_from_output(self, out: SchedulerOutput, step: StepOutput,
                            stop_reason: Callable[[Sequence, int], str | None]) -> list[Sequence]:
-        """After the model ran `out`: computed tokens catch up, each sampled sequence gets its token, and those that
-        `stop_reason` stops finish and give back their blocks (which stay cached). Returns the finished ones."""
+        """After the model ran `out`: computed tokens catch up, each sampled sequence gets its token (and its
+        logprobs), SCORE sequences their scores; those that `stop_reason` stops, and those with nothing left to
+        compute that sample nothing, finish and give back their blocks (which stay cached). A PREFIX sequence
+        first hands its blocks to its forks. Returns the finished ones."""
         now = time.monotonic()
+        for seq, first, values, tops in step.scores:
+            seq.record_scores(first, values, tops)
+        finished = []
         for seq, n in out.num_scheduled_tokens.items():
             seq.num_computed_tokens += n
-        finished = []
-        for seq, token in zip(sampled, tokens):
+            if not seq.samples and seq.num_computed_tokens == seq.num_tokens:
+                if seq.role is SequenceRole.PREFIX:
+                    self._start_forks(seq)
+                seq.finish_reason, seq.finish_time = "computed", now
+                self._remove(seq)
+                finished.append(seq)
+        for seq, token, logprobs in zip(step.sampled, step.tokens, step.logprobs or [None] * len(step.sampled)):
             seq.append_token(token)
+            if logprobs is not None:
+                seq.append_logprobs(*logprobs)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = stop_reason(seq, token)
@@ -122,6 +140,16 @@ class Scheduler:
                 self._remove(seq)
                 finished.append(seq)
         return finished
+
+    def _start_forks(self, prefix: Sequence) -> None:
+        """The forks of a computed PREFIX share its blocks and run from its last token on."""
+        for child in prefix.forks:
+            self.kv_cache_manager.fork(prefix, child)
+            child.num_cached_tokens = prefix.num_cached_tokens
+            child.first_scheduled_time = prefix.first_scheduled_time
+            child.num_preemptions = prefix.num_preemptions
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished sequence, waiting or running; its blocks go back."""

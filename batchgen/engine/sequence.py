@@ -16,6 +16,15 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    PENDING = "pending"  # a fork waiting for its PREFIX sequence to be computed: not in the scheduler yet
+
+
+class SequenceRole(enum.Enum):
+    """What a sequence's last computed token leads to."""
+
+    GENERATE = "generate"  # sample a token, append it, go on until a stop rule
+    PREFIX = "prefix"  # nothing: a request's shared prompt, computed once, then forked (request_group.py)
+    SCORE = "score"  # nothing sampled: its tokens are given, and the logprob of each next one is recorded
 
 
 class BlockIds:
@@ -44,6 +53,15 @@ class BlockIds:
     def clear(self) -> None:
         self.count = 0
 
+    def copy(self) -> "BlockIds":
+        other = BlockIds()
+        other._ids = self._ids.copy()
+        other.count = self.count
+        return other
+
+    def replace_last(self, block: KVBlock) -> None:
+        self._ids[self.count - 1] = block.block_id
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -69,6 +87,18 @@ class Sequence:
     finish_reason: str | None = None
     detokenizer: Any = None  # an IncrementalDetokenizer when the request has stop strings
     penalty_state: Any = None  # a sampler.PenaltyState when the request has a repetition/presence/frequency penalty
+    role: SequenceRole = SequenceRole.GENERATE
+    sample_index: int = 0  # which of its request's n samples (or, for a SCORE sequence, which candidate)
+    forks: list["Sequence"] = field(default_factory=list)  # a PREFIX's sequences, PENDING until it is computed
+    matcher: Any = None  # a structured.Matcher when the output is constrained by a grammar
+    # With params.logprobs: per output token, its logprob and the top alternatives as (token id, logprob)
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # A SCORE sequence: the logprob of each token from position score_from + 1 on, and after the last one of
+    # ending there (EOS); filled as positions are computed (again after a preemption: same values)
+    score_from: int = 0
+    scores: list[float] | None = None
+    score_tops: list[list[tuple[int, float]]] | None = None
 
     @classmethod
     def from_request(cls, request: Request, seed: int) -> "Sequence":
@@ -91,6 +121,29 @@ class Sequence:
         self.token_ids.append(token)
         if self.penalty_state is not None:
             self.penalty_state.append(token)
+        if self.matcher is not None and not self.matcher.accept(token):
+            raise RuntimeError(f"request {self.request_id!r}: the grammar refused token {token}, which its own "
+                               f"bitmask allowed")
+
+    @property
+    def samples(self) -> bool:
+        return self.role is SequenceRole.GENERATE
+
+    @property
+    def num_seqs_when_running(self) -> int:
+        """Sequences this one occupies once computed: a PREFIX becomes its forks."""
+        return len(self.forks) or 1
+
+    def append_logprobs(self, logprob: float, top: list[tuple[int, float]]) -> None:
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(top)
+
+    def record_scores(self, first_position: int, values: list[float], tops: list[list[tuple[int, float]]] | None):
+        """A SCORE sequence's logprobs of the tokens after positions first_position, first_position + 1, ..."""
+        start = first_position - self.score_from
+        self.scores[start:start + len(values)] = values
+        if tops is not None:
+            self.score_tops[start:start + len(tops)] = tops
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks within the first num_tokens tokens, extended incrementally."""

@@ -57,3 +57,81 @@ def _message(exc: Exception) -> str:
         if ".cc:" in line.split(" ")[0]:
             line = line.split(": ", 1)[-1]
     return line
+
+
+class Matcher:
+    """One constrained sequence's place in its grammar: it accepts the tokens the sequence appends and says which
+    tokens may come next. EOS is allowed exactly where the grammar accepts the output so far."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def accept(self, token: int) -> bool:
+        return self._matcher.accept_token(token)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+class GrammarCompiler:
+    """Constraints compiled against one model's vocabulary, once per distinct (key, text). The vocabulary's tables
+    are built on the first constrained request: an unconstrained run pays nothing."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._compiler = None
+        self._compiled: dict[tuple[str, str], Any] = {}
+
+    def matcher(self, key: str, text: str) -> Matcher:
+        """A fresh matcher for the constraint; SettingError naming `key` when it does not compile."""
+        compiled = self._compiled.get((key, text))
+        if compiled is None:
+            compiled = self._compiled[key, text] = self._compile(key, text)
+        return Matcher(_xgrammar(key).GrammarMatcher(compiled))
+
+    def _compile(self, key: str, text: str) -> Any:
+        xgr = _xgrammar(key)
+        _parse(key, text)  # the same checks, and messages, as validation
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise SettingError(key, f"{key} needs a tokenizer and this model has none")
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.eos_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        try:
+            if key == "json_schema":
+                # compact JSON: with free whitespace, a small model can emit blank lines until max_tokens
+                return self._compiler.compile_json_schema(text, any_whitespace=False)
+            if key == "regex":
+                return self._compiler.compile_regex(text)
+            return self._compiler.compile_grammar(text)
+        except Exception as exc:
+            raise SettingError(key, f"{key} does not compile: {_message(exc)}") from None
+
+
+class TokenBitmask:
+    """The allowed next tokens of a step's constrained rows, as xgrammar's packed bitmask (32 tokens per int32),
+    applied to those rows' logits only."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._buffer = None
+
+    def apply(self, logits, matchers: dict[int, Matcher]) -> None:
+        """Set logits[row] to -inf wherever matchers[row] forbids the next token. logits: [B, V] fp32, in place;
+        rows without a matcher are left alone."""
+        xgr = _xgrammar("grammar")
+        num_rows = logits.shape[0]
+        if self._buffer is None or self._buffer.shape[0] < num_rows:
+            self._buffer = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
+        bitmask = self._buffer[:num_rows]
+        for row, matcher in matchers.items():
+            matcher._matcher.fill_next_token_bitmask(bitmask, row)
+        if logits.device != bitmask.device:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=list(matchers))

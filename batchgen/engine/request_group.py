@@ -1,0 +1,143 @@
+"""A request as the sequences that compute it, and their Results once all have finished.
+
+- One sample, no `choice`: one GENERATE sequence.
+- n samples: a PREFIX sequence computes the prompt but its last token once; then n GENERATE forks share its blocks,
+  each computes the last prompt token itself and samples on with its own seed (sample i depends on (seed, i) alone).
+- `choice`: the PREFIX as above, then one SCORE fork per candidate, teacher-forced through the candidate's tokens:
+  the logprob of each of them and of ending after them (any EOS token) sum to the candidate's total. The output is
+  the most probable candidate (greedy) or one drawn from the candidates' renormalised distribution, and every
+  candidate's probability comes with it. Cost: one prompt prefill, plus 1 + len(candidate) tokens per candidate.
+A one-token prompt has nothing to share: its forks start on their own.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from .request import Request, Result
+from .sampler import GREEDY_TEMPERATURE, hash_uniforms, _to_signed
+from .sequence import Sequence, SequenceRole, SequenceStatus
+
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed`: the seed itself for sample 0 (so n = 1 keeps
+    its outputs), splitmix64 of (seed, index) for the others."""
+    if index == 0:
+        return seed
+    x = (seed + index * _GOLDEN_GAMMA) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return x ^ (x >> 31)
+
+
+class RequestGroup:
+    def __init__(self, request: Request, seed: int, candidates: list[list[int]] | None, new_matcher) -> None:
+        """candidates: the token ids of each `choice` string, None without `choice`. new_matcher() returns a
+        fresh structured.Matcher for a constrained request, None otherwise."""
+        self.request_id = request.request_id
+        self.params = params = request.sampling_params
+        self.seed = seed
+        self.prompt = list(request.prompt_token_ids)
+        self.candidates = candidates
+        self.prefix: Sequence | None = None
+        self.finished: list[Sequence] = []
+        self.arrival_time = time.monotonic()
+        if candidates is None:
+            self.members = [self._sequence(SequenceRole.GENERATE, self.prompt, len(self.prompt), i,
+                                           new_matcher()) for i in range(params.n)]
+        else:
+            self.members = [self._score_sequence(i, tokens) for i, tokens in enumerate(candidates)]
+        if len(self.members) > 1 and len(self.prompt) > 1:
+            self.prefix = self._sequence(SequenceRole.PREFIX, self.prompt[:-1], len(self.prompt) - 1, 0, None)
+            self.prefix.forks = self.members
+            for member in self.members:
+                member.status = SequenceStatus.PENDING
+
+    @property
+    def first_sequences(self) -> list[Sequence]:
+        """What goes to the scheduler now: the PREFIX (whose forks follow once it is computed), or the members."""
+        return [self.prefix] if self.prefix is not None else self.members
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return ([self.prefix] if self.prefix is not None else []) + self.members
+
+    def _sequence(self, role: SequenceRole, token_ids: list[int], num_prompt_tokens: int, index: int,
+                  matcher: Any) -> Sequence:
+        seed = sample_seed(self.seed, index) if role is SequenceRole.GENERATE else self.seed
+        seq = Sequence(self.request_id, list(token_ids), num_prompt_tokens, self.params, seed, self.arrival_time,
+                       role=role,
+                       sample_index=index, matcher=matcher)
+        if role is SequenceRole.GENERATE and self.params.logprobs is not None:
+            seq.token_logprobs, seq.top_logprobs = [], []
+        return seq
+
+    def _score_sequence(self, index: int, tokens: list[int]) -> Sequence:
+        seq = self._sequence(SequenceRole.SCORE, self.prompt + tokens, len(self.prompt), index, None)
+        seq.score_from = len(self.prompt) - 1
+        seq.scores = [0.0] * (len(tokens) + 1)
+        if self.params.logprobs is not None:
+            seq.score_tops = [[] for _ in range(len(tokens) + 1)]
+        return seq
+
+    def on_finished(self, seq: Sequence) -> bool:
+        """Note a finished sequence; True once every member has."""
+        if seq is not self.prefix:
+            self.finished.append(seq)
+        return len(self.finished) == len(self.members)
+
+    # -- results -------------------------------------------------------------------------------------------------
+
+    def results(self, output) -> list[Result]:
+        """The request's Results, sample 0 first. `output` is the engine's OutputProcessor."""
+        if self.candidates is None:
+            return [output.result(seq) for seq in sorted(self.finished, key=lambda s: s.sample_index)]
+        return self._choice_results(output)
+
+    def choice_totals(self) -> list[float]:
+        """Each candidate's total logprob (its tokens, then the end), in `choice` order."""
+        return [math.fsum(seq.scores) for seq in self.members]
+
+    def _choice_results(self, output) -> list[Result]:
+        totals = self.choice_totals()
+        best = max(totals)
+        weights = [math.exp(t - best) for t in totals]
+        probs = [w / math.fsum(weights) for w in weights]
+        choice_probs = list(zip(self.params.choice, probs))
+        first = self.prefix if self.prefix is not None else self.members[0]
+        finish = max(seq.finish_time for seq in self.members)
+        wall = output.clock.wall
+        results = []
+        for index in range(self.params.n):
+            picked = self._pick(totals, index)
+            seq = self.members[picked]
+            result = Result(
+                request_id=self.request_id, text=self.params.choice[picked], token_ids=self.candidates[picked],
+                finish_reason="stop", error=None, prompt_tokens=len(self.prompt),
+                output_tokens=len(self.candidates[picked]), cached_tokens=max(first.num_cached_tokens, 0),
+                num_preemptions=max(s.num_preemptions for s in self.sequences),
+                arrival_time=wall(first.arrival_time), first_scheduled_time=wall(first.first_scheduled_time),
+                first_token_time=wall(finish), finish_time=wall(finish), sample_index=index,
+                choice_probs=choice_probs)
+            if self.params.logprobs is not None:
+                result.logprobs = seq.scores[:-1]
+                result.top_logprobs = [output.named_top(top) for top in seq.score_tops[:-1]]
+            results.append(result)
+        return results
+
+    def _pick(self, totals: list[float], index: int) -> int:
+        """Greedy: the most probable candidate (the first of equals). Otherwise a draw from the candidates'
+        distribution at the request's temperature, random in (seed, index) alone."""
+        if self.params.temperature < GREEDY_TEMPERATURE:
+            return totals.index(max(totals))
+        scaled = torch.tensor(totals, dtype=torch.float64) / self.params.temperature
+        weights = (scaled - scaled.max()).exp()
+        seed = torch.tensor([_to_signed(sample_seed(self.seed, index))])
+        candidates = torch.arange(len(totals)).view(1, -1)
+        uniforms = hash_uniforms(seed, torch.zeros(1, dtype=torch.long), candidates)[0].double()
+        return int((weights / -torch.log(uniforms)).argmax())
