@@ -158,6 +158,7 @@ class Result:
     finish_time: float
     sample_index: int = 0  # which of the request's n samples (its results come out of one step, together)
     choice_probs: list[tuple[str, float]] | None = None  # with `choice`: each candidate and its probability
+    choice_logprobs: list[float] | None = None  # with `choice`: each candidate's total logprob (tokens, then EOS)
     logprobs: list[float] | None = None  # with `logprobs`: each output token's logprob
     top_logprobs: list[list[tuple[str, int, float]]] | None = None  # per output token: (text, id, logprob)
 

@@ -123,7 +123,7 @@ class RequestGroup:
                 num_preemptions=max(s.num_preemptions for s in self.sequences),
                 arrival_time=wall(first.arrival_time), first_scheduled_time=wall(first.first_scheduled_time),
                 first_token_time=wall(finish), finish_time=wall(finish), sample_index=index,
-                choice_probs=choice_probs)
+                choice_probs=choice_probs, choice_logprobs=totals)
             if self.params.logprobs is not None:
                 result.logprobs = seq.scores[:-1]
                 result.top_logprobs = [output.named_top(top) for top in seq.score_tops[:-1]]
