@@ -155,3 +155,21 @@ def test_bad_options_exit_2(tmp_path):
     assert not archive.exists()
     missing = CliRunner().invoke(main, ["bench", "--history", "--archive", str(tmp_path / "none.jsonl")])
     assert missing.exit_code == 0 and "no archive" in missing.output
+
+
+def test_choice_system_reports_overhead_and_agreement(tmp_path):
+    result, out, _ = bench(tmp_path, "--workload", "labeling", "--rows", "4", "--systems", "batchgen,batchgen-choice")
+    assert result.exit_code == 0, result.output
+    record = json.loads(next(out.glob("bench-labeling-*.json")).read_text())
+    choice = record["systems"]["batchgen-choice"]
+    assert choice["available"] and choice["rows"] == 4
+    compared = record["comparisons"]["batchgen-choice"]
+    assert compared["wall_ratio"] == pytest.approx(choice["wall_s"] / record["systems"]["batchgen"]["wall_s"])
+    assert 0 <= compared["reference_exact_label"] <= compared["reference_answers_a_label"] <= 1
+    labels = {tuple(ids) for ids in choice["details"]["label_token_ids"].values()}
+    assert all(tuple(row["token_ids"]) in labels for row in record["rows"]["batchgen-choice"])
+    assert 0.25 <= choice["details"]["mean_confidence"] <= 1
+    assert "batchgen-choice: wall" in result.output and "labels agree" in result.output
+
+    generation = bench(tmp_path / "g", "--workload", "generation", "--rows", "2", "--systems", "batchgen-choice")[0]
+    assert "batchgen-choice: unavailable" in generation.output and "labeling rows only" in generation.output

@@ -7,18 +7,23 @@ import time
 from .system_types import BenchOptions, RowOutput, SystemRun, elapsed
 
 
-def run(rows: list, options: BenchOptions, prefix_caching: bool) -> SystemRun:
+def run(rows: list, options: BenchOptions, prefix_caching: bool, choice: list[str] | None = None) -> SystemRun:
+    """With `choice`: every row is a labeling row answered by exact choice scoring over those labels (greedy), and
+    its output is the label's tokens then EOS, as an unconstrained greedy answer of exactly that label would be."""
     from batchgen.engine import Engine, Request, SamplingParams
     from batchgen.job.source import sort_windows
 
-    name = "batchgen" if prefix_caching else "batchgen-nocache"
+    name = "batchgen-choice" if choice else "batchgen" if prefix_caching else "batchgen-nocache"
+    if choice and any(row.kind != "labeling" for row in rows):
+        return SystemRun.unavailable(name, "exact choice scoring answers labeling rows only (--workload labeling)")
     args = dataclasses.replace(options.engine_args, enable_prefix_caching=prefix_caching)
     started = time.monotonic()
     engine = Engine(args)
     load_s = elapsed(started)
 
     ordered = list(sort_windows(rows, window=len(rows) + 1, how="prefix"))  # the job source's sort, one window
-    requests = [Request(row.id, row.token_ids, SamplingParams(max_tokens=row.max_tokens, temperature=0.0))
+    requests = [Request(row.id, row.token_ids, SamplingParams(max_tokens=row.max_tokens, temperature=0.0,
+                                                              choice=choice or []))
                 for row in ordered]
     started = time.monotonic()
     results = list(engine.generate(requests))
@@ -30,7 +35,8 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool) -> SystemRun:
     if errors:
         return SystemRun.unavailable(name, f"{len(errors)} rows failed, e.g. row {errors[0].request_id}: "
                                            f"{errors[0].error}")
-    outputs = [RowOutput(r.request_id, list(r.token_ids),
+    end = [engine.eos_token_ids[0]] if choice else []
+    outputs = [RowOutput(r.request_id, list(r.token_ids) + end,
                          None if r.first_token_time is None else r.first_token_time - start_wall,
                          r.finish_time - start_wall, r.cached_tokens) for r in results]
     prompt_tokens = sum(r.prompt_tokens for r in results)
@@ -40,4 +46,8 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool) -> SystemRun:
                "dtype": str(engine.dtype).removeprefix("torch."),
                "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
                "engine_stats": engine.stats()}
+    if choice:
+        details["label_token_ids"] = {label: engine.tokenizer.encode(label, add_special_tokens=False) + end
+                                      for label in choice}
+        details["mean_confidence"] = sum(max(p for _, p in r.choice_probs) for r in results) / len(results)
     return SystemRun(name, True, load_s=load_s, wall_s=wall_s, rows=outputs, details=details)

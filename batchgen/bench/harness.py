@@ -128,6 +128,16 @@ def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
     return workload, engine_args
 
 
+def decoder_for(engine_args: Any, runs: dict[str, SystemRun]) -> Callable[[list[int]], str] | None:
+    """Token ids to text, for comparing a labeling system's labels with free answers; None when none ran."""
+    if not any("label_token_ids" in run.details for run in runs.values()):
+        return None
+    from batchgen.models.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(engine_args.model))
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def build_record(config: BenchConfig, workload: Workload, engine_args: Any, machine_ceiling: dict,
                  runs: dict[str, SystemRun], started_at: datetime, commit: str | None) -> dict[str, Any]:
     reference = report.reference_of(runs)
@@ -140,7 +150,7 @@ def build_record(config: BenchConfig, workload: Workload, engine_args: Any, mach
         "ceiling": machine_ceiling,
         "reference": reference,
         "systems": {name: report.system_figures(run, workload) for name, run in runs.items()},
-        "comparisons": report.comparisons(runs),
+        "comparisons": report.comparisons(runs, decoder_for(engine_args, runs)),
         "decode": None,
         "rows": {name: report.row_records(run) for name, run in runs.items() if run.available},
     }

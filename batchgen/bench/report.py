@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .system_types import SystemRun
 from .workloads import Workload
@@ -51,7 +51,8 @@ def reference_of(runs: dict[str, SystemRun]) -> str | None:
     return next((name for name in REFERENCES if name in runs and runs[name].available), None)
 
 
-def comparisons(runs: dict[str, SystemRun]) -> dict[str, dict[str, Any]]:
+def comparisons(runs: dict[str, SystemRun], decode: Callable[[list[int]], str] | None = None
+                ) -> dict[str, dict[str, Any]]:
     """For each other system that ran: batchgen's output tok/s over its own (the speed ratio, > 1 = batchgen is
     faster), the wall-time ratio on the same rows, and the share of rows whose greedy token ids equal batchgen's;
     with the dtype each side ran in."""
@@ -72,7 +73,27 @@ def comparisons(runs: dict[str, SystemRun]) -> dict[str, dict[str, Any]]:
                         "speedup": ref_speed / speed if speed else None, "wall_ratio": run.wall_s / ref.wall_s,
                         "identical_rows": identical, "rows": total,
                         "identical_share": identical / total if total else None}
+        if "label_token_ids" in run.details and decode is not None:
+            result[name].update(label_agreement(run, ref_tokens, decode))
     return result
+
+
+def label_agreement(run: SystemRun, ref_tokens: dict[int, list[int]], decode: Callable[[list[int]], str]
+                    ) -> dict[str, Any]:
+    """For a system answering with labels (batchgen-choice), against the reference's free greedy answers: the share
+    of those that are exactly a label's tokens then EOS; the share that read as a label once lowercased and
+    stripped of spaces and punctuation ("Positive." is positive); and on the latter, the share where both chose the
+    same label."""
+    labels = {tuple(ids): label for label, ids in run.details["label_token_ids"].items()}
+    mine = {row.id: labels.get(tuple(row.token_ids)) for row in run.rows}
+    exact = sum(1 for ids in ref_tokens.values() if tuple(ids) in labels)
+    read = {row_id: decode(ids).strip().strip(".!:;,\"'").lower() for row_id, ids in ref_tokens.items()}
+    valid = [row_id for row_id, text in read.items() if text in labels.values()]
+    same = sum(1 for row_id in valid if mine.get(row_id) == read[row_id])
+    total = len(ref_tokens)
+    return {"reference_exact_label": exact / total if total else None,
+            "reference_answers_a_label": len(valid) / total if total else None,
+            "label_agreement": same / len(valid) if valid else None}
 
 
 def row_records(run: SystemRun) -> list[dict[str, Any]]:
@@ -200,6 +221,15 @@ def format_table(record: dict[str, Any]) -> str:
     if decode:
         parts.append(f"  {reference} during decode: {decode['decode_flops'] / 1e9:,.2f} GFLOP/s = "
                      f"{decode['share_of_ceiling']:.1%} of the ceiling ({decode['note']})")
+    for name, compared in record["comparisons"].items():
+        if compared.get("label_agreement", "absent") != "absent":
+            f = record["systems"][name]
+            parts.append(f"  {name}: wall {f['wall_s']:.2f} s = {compared['wall_ratio']:.2f}x {reference}'s "
+                         f"unconstrained greedy labels; {reference}'s answer is exactly a label on "
+                         f"{_fmt(compared['reference_exact_label'], '.0%')} of rows, reads as one on "
+                         f"{_fmt(compared['reference_answers_a_label'], '.0%')}, and there the labels agree on "
+                         f"{_fmt(compared['label_agreement'], '.0%')}; mean confidence "
+                         f"{f['details'].get('mean_confidence', 0):.2f}")
     ref_dtype = short_dtype(record["systems"].get(reference, {}).get("dtype"))
     parts.append(f"  {reference} x = {reference}'s output tok/s ({ref_dtype}) over the system's (in its own dtype), "
                  f"on the same rows; same as ref = rows whose greedy token ids equal {reference}'s")

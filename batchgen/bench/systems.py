@@ -7,12 +7,15 @@ import traceback
 from typing import Callable
 
 from . import batchgen_system, hf_continuous, hf_static, vllm_system
+from .workloads import LABELING_LABELS
 from .peak_rss import PeakRSS
 from .system_types import BenchOptions, SystemRun
 
 RUNNERS: dict[str, Callable[[list, BenchOptions], SystemRun]] = {
     "batchgen": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=True),
     "batchgen-nocache": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=False),
+    "batchgen-choice": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=True,
+                                                                 choice=LABELING_LABELS),
     "hf-static": hf_static.run,
     "hf-continuous": hf_continuous.run,
     "vllm": vllm_system.run,

@@ -119,6 +119,7 @@ Rules: judge the overall opinion, not individual sentences. Shipping and support
 mostly about them. Ignore the price range: a cheap product and an expensive one are judged the same way. If two \
 labels fit, prefer urgent, then negative. Never explain your answer, never add punctuation, never repeat the \
 message, and never answer with more than one word."""
+LABELING_LABELS = ["positive", "negative", "neutral", "urgent"]  # the instruction's labels, in its order
 
 
 # -- building prompts --------------------------------------------------------------------------------------------

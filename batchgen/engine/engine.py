@@ -37,6 +37,7 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(self.kv_pool.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = setup.runner
+        self.eos_token_ids = setup.eos_token_ids  # every token that ends generation, the model's own first
         self.output = OutputProcessor(self.tokenizer, setup.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, setup.eos_token_ids)
         self._seeds = random.Random(args.seed)
