@@ -12,6 +12,10 @@ from .sequence import Sequence, SequenceRole
 from .step_output import StepOutput
 
 
+# Scored positions whose logits are made at once (SCORE sequences: `choice`): 256 x a 49k vocabulary = 50 MB fp32.
+SCORE_CHUNK = 256
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, eos_token_ids: list[int], attention_backend: str = "auto") -> None:
@@ -80,34 +84,29 @@ class ModelRunner:
             input_ids, positions, metadata = self._prepare(batch)
             hidden = self.model(input_ids, positions, metadata)
 
-        rows, sampling_seqs, scoring = [], [], []
+        rows, sampling_seqs = [], []  # the last row of each sequence that samples
+        score_rows, scoring = [], []  # the rows of scored positions, and (sequence, first position, count)
         end = 0
         for seq, n in batch:
-            end += n
-            if seq.num_computed_tokens + n == seq.num_tokens and seq.samples:
-                rows.append(end - 1)
-                sampling_seqs.append(seq)
-        score_rows, end = [], 0
-        for seq, n in batch:
-            end += n
-            if seq.role is SequenceRole.SCORE:
-                first = max(seq.num_computed_tokens, seq.score_from)  # positions computed now and scored
-                last = seq.num_computed_tokens + n
-                if first < last:
-                    scoring.append((seq, first, last - first))
-                    start_row = end - n + (first - seq.num_computed_tokens)
-                    score_rows.extend(range(start_row, start_row + last - first))
-        if not sampling_seqs and not scoring:
-            return StepOutput()
-        rows += score_rows
-        if len(rows) < hidden.shape[0] or rows != list(range(len(rows))):
-            hidden = hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
-        logits = self.model.compute_logits(hidden)
+            start, end = end, end + n
+            if seq.samples:
+                if seq.num_computed_tokens + n == seq.num_tokens:
+                    rows.append(end - 1)
+                    sampling_seqs.append(seq)
+            elif seq.role is SequenceRole.SCORE:
+                first = max(seq.num_computed_tokens, seq.score_from)  # positions computed now that are scored
+                count = seq.num_computed_tokens + n - first
+                if count > 0:
+                    scoring.append((seq, first, count))
+                    offset = start + first - seq.num_computed_tokens
+                    score_rows.extend(range(offset, offset + count))
         out = StepOutput()
         if scoring:
-            out.scores = self._scores(logits[len(sampling_seqs):], scoring)
+            out.scores = self._scores(hidden, score_rows, scoring)
         if sampling_seqs:
-            self._sample(logits[: len(sampling_seqs)], sampling_seqs, out)
+            if len(rows) < hidden.shape[0]:  # else every row samples (a decode-only step): no gather, no copy
+                hidden = hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
+            self._sample(self.model.compute_logits(hidden), sampling_seqs, out)
         return out
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], out: StepOutput) -> None:
@@ -130,27 +129,30 @@ class ModelRunner:
                 if wants_logprobs[row]:
                     out.logprobs[row] = (chosen[row], tops[row][: seq.params.logprobs])
 
-    def _scores(self, logits: torch.Tensor, scoring: list[tuple[Sequence, int, int]]):
-        """Per SCORE sequence: the logprob of the token after each scored position; after its last token, of
-        ending there (any EOS token)."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    def _scores(self, hidden: torch.Tensor, rows: list[int], scoring: list[tuple[Sequence, int, int]]):
+        """Per SCORE sequence: the logprob of the token after each scored position (hidden rows `rows`, in order);
+        after its last token, of ending there (any EOS token). The logits are made SCORE_CHUNK rows at a time:
+        a labeling step scores thousands of positions, and [rows, V] fp32 logits of them all would not be small."""
         targets = []
         for seq, first, count in scoring:
             following = seq.token_ids[first + 1:first + 1 + count]
             targets.extend(following + [-1] * (count - len(following)))  # -1: the end, after the last token
-        target = torch.tensor(targets, dtype=torch.long, device=logprobs.device)
-        values = logprobs.gather(-1, target.clamp(min=0).view(-1, 1)).squeeze(-1)
-        if (target < 0).any():
-            eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=logprobs.device)
-            values = torch.where(target < 0, logprobs[:, eos].logsumexp(dim=-1), values)
-        values = values.tolist()
         k = max((seq.params.logprobs or 0) for seq, _, _ in scoring)
-        tops = _top(logprobs, k) if k else None
+        eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
+        values, tops = [], []
+        for start in range(0, len(rows), SCORE_CHUNK):
+            index = torch.tensor(rows[start:start + SCORE_CHUNK]).to(self.device, non_blocking=True)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
+            target = torch.tensor(targets[start:start + SCORE_CHUNK], dtype=torch.long, device=self.device)
+            chosen = logprobs.gather(-1, target.clamp(min=0).view(-1, 1)).squeeze(-1)
+            values += torch.where(target < 0, logprobs[:, eos].logsumexp(dim=-1), chosen).tolist()
+            if k:
+                tops += _top(logprobs, k)
         result, row = [], 0
         for seq, first, count in scoring:
-            seq_tops = tops[row:row + count] if tops is not None and seq.params.logprobs else None
-            if seq_tops is not None:
-                seq_tops = [top[: seq.params.logprobs] for top in seq_tops]
+            seq_tops = None
+            if seq.params.logprobs is not None:
+                seq_tops = [top[: seq.params.logprobs] for top in tops[row:row + count]]
             result.append((seq, first, values[row:row + count], seq_tops))
             row += count
         return result

@@ -5,6 +5,8 @@
 labeling.parquet   40 product reviews to label; every prompt shares one long instruction (prefix-cache friendly)
 prompts.parquet    30 generation prompts of varied lengths, with a per-row max_tokens for a few rows
 bad_rows.parquet   12 rows, some of them unusable (null, empty, too long, invalid per-row values)
+tickets.parquet    120 support tickets for a 9-label `choice` job (jobs/ticket_labels.yaml), each with the team
+                   that wrote the template it came from (`expected`: not given to the model)
 """
 from __future__ import annotations
 
@@ -105,10 +107,55 @@ def bad_rows() -> pa.Table:
                      "temperature": pa.array(temps, pa.float64()), "max_tokens": pa.array(maxes, pa.int64())})
 
 
+TICKET_TEAMS = {
+    "BILLING": ["I was charged twice for order {order}.", "The invoice for order {order} shows the wrong amount.",
+                "Why was my card charged before the {item} shipped?", "I need a copy of the receipt for my {item}."],
+    "SHIPPING": ["My {item} has been in transit for {days} days.", "The tracking page for order {order} has not "
+                 "moved since last week.", "The courier left my {item} at the wrong address.",
+                 "Can I change the delivery address for order {order}?"],
+    "RETURNS": ["How do I send back the {item}? It does not fit.", "I want a refund for the broken {item}.",
+                "The return label for order {order} does not print.", "Can I exchange the {item} for another "
+                "color?"],
+    "ACCOUNT": ["I cannot log in: the password reset email never arrives.", "Please change the email address "
+                "on my account.", "My account was locked after {days} failed logins.",
+                "How do I merge my two accounts?"],
+    "TECHNICAL": ["The app crashes every time I open the {item} page.", "The website shows error {order} at "
+                  "checkout.", "The {item} will not pair with my phone over Bluetooth.",
+                  "The firmware update bricked my {item}."],
+    "PRODUCT": ["Does the {item} come in a larger size?", "Is the {item} dishwasher safe?",
+                "What is the battery life of the {item}?", "Is the {item} compatible with the older model?"],
+    "PRIVACY": ["Please delete all the personal data you hold about me.", "Why do you share my address with "
+                "third parties?", "I want a copy of every piece of data you store about me.",
+                "Stop sending my details to advertisers."],
+    "FEEDBACK": ["Your support agent was wonderful, thank you!", "I love the {item}, best purchase this year.",
+                 "The new website design is much harder to use.", "Please bring back the old {item} model."],
+    "OTHER": ["What are your opening hours on public holidays?", "Are you hiring in the warehouse?",
+              "Do you have a store in my city?", "Who designed your logo?"],
+}
+TICKET_ITEMS = ["blender", "desk lamp", "rain jacket", "headphones", "coffee grinder", "backpack", "smartwatch",
+                "air fryer", "yoga mat", "baby monitor"]
+TICKET_OPENERS = ["", "Hello, ", "Hi team, ", "Urgent: ", "Good morning. ", "Quick question: "]
+
+
+def tickets(rng: random.Random) -> pa.Table:
+    rows = {"ticket_id": [], "channel": [], "ticket": [], "expected": []}
+    teams = list(TICKET_TEAMS)
+    for i in range(120):
+        team = teams[i % len(teams)]
+        text = rng.choice(TICKET_TEAMS[team]).format(order=rng.randint(10000, 99999), item=rng.choice(TICKET_ITEMS),
+                                                     days=rng.randint(3, 21))
+        rows["ticket_id"].append(f"T-{5001 + i}")
+        rows["channel"].append(rng.choice(["email", "chat", "phone"]))
+        rows["ticket"].append(rng.choice(TICKET_OPENERS) + text)
+        rows["expected"].append(team)
+    return pa.table(rows)
+
+
 def main() -> None:
     pq.write_table(labeling(random.Random(1)), HERE / "labeling.parquet")
     pq.write_table(prompts(random.Random(2)), HERE / "prompts.parquet")
     pq.write_table(bad_rows(), HERE / "bad_rows.parquet")
+    pq.write_table(tickets(random.Random(3)), HERE / "tickets.parquet")
 
 
 if __name__ == "__main__":
