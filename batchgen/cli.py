@@ -300,8 +300,9 @@ def _mib(n: int) -> str:
 def summary_table(s: dict, path: str) -> str:
     hit, e = s["prefix_cache_hit_rate"], s.get("engine_stats") or {}
     resumed = f" (this run: {s['rows_this_run']})" if s.get("resumed") else ""
+    samples = f"; {s['output_rows']:,} output rows (samples)" if s.get("output_rows", s["rows"]) != s["rows"] else ""
     lines = [
-        ("rows", f"{s['rows']:,}{resumed}: {s['rows_ok']:,} ok, {s['rows_error']:,} error"),
+        ("rows", f"{s['rows']:,}{resumed}: {s['rows_ok']:,} ok, {s['rows_error']:,} error{samples}"),
         ("prompt tokens", f"{s['prompt_tokens']:,} ({s['cached_tokens']:,} from the prefix cache, {hit:.1%})"),
         ("output tokens", f"{s['output_tokens']:,} ({s['output_tokens_per_s']:,.1f} tok/s this run)"),
         ("wall time", f"{s['wall_s']:.1f} s"),

@@ -243,15 +243,16 @@ def test_templates_name_columns_only_and_are_refused_before_the_model_loads(tmp_
 
 
 def test_a_value_its_format_spec_does_not_suit_is_a_row_error(tmp_path, loader):
-    table = questions(3).append_column("n", pa.array([65, 2 ** 40, 66]))
+    # (not a column named `n`: that is the per-row number of samples)
+    table = questions(3).append_column("count", pa.array([65, 2 ** 40, 66]))
     write(tmp_path / "in.parquet", table)
-    job = echo_job(tmp_path / "in.parquet", tmp_path / "out", input={"template": "{key} {n:c} {n:,}"})
+    job = echo_job(tmp_path / "in.parquet", tmp_path / "out", input={"template": "{key} {count:c} {count:,}"})
     result = run_in_process(tmp_path, job)
     assert result.exit_code == 0 and result.stderr == "", result.stderr
     rows = output_rows(tmp_path / "out")
     assert [r["text"] for r in rows] == ["k0 A 65", "", "k2 B 66"]
-    assert [r["error"] for r in rows] == [None, "input.template: {n:c} cannot format this row's value of column "
-                                                "'n': %c arg not in range(0x110000)", None]
+    assert [r["error"] for r in rows] == [None, "input.template: {count:c} cannot format this row's value of "
+                                                "column 'count': %c arg not in range(0x110000)", None]
 
 
 # -- corrupt files --------------------------------------------------------------------------------------------------

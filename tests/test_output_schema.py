@@ -33,7 +33,7 @@ def readme_output_table() -> list[tuple[str, str, str]]:
 
 def test_readme_output_table_matches_the_columns():
     table = readme_output_table()
-    expected = [(f"`{c.name}`", c.type_text, c.meaning) for c in COLUMNS] + [KEEP_COLUMNS_ROW]
+    expected = [c.table_row for c in COLUMNS] + [KEEP_COLUMNS_ROW]
     names = [row[0] for row in table]
     assert names == [row[0] for row in expected], "README column names or order differ"
     assert table == expected, "README output table differs; it should read:\n" + "\n".join(markdown_rows())
@@ -46,11 +46,16 @@ def test_readme_types_name_the_arrow_types():
     assert by_name["first_token_time"] == "timestamp[us, UTC], null"
 
 
+ALWAYS = [c for c in COLUMNS if c.only is None]  # the columns without a condition
+
+
 def test_schema_follows_the_columns():
     schema = output_schema(pa.string(), [("tag", pa.int32())])
-    assert schema.names == list(OUTPUT_COLUMNS) + ["tag"]
+    assert schema.names == [c.name for c in ALWAYS] + ["tag"]
+    assert set(OUTPUT_COLUMNS) - set(schema.names) == {"sample_index", "choice_probs", "logprobs", "top_logprobs",
+                                                       "json"}  # the conditional ones, not asked for
     assert schema.field("id").type == pa.string()
-    assert [schema.field(c.name).type for c in COLUMNS[1:]] == [c.type for c in COLUMNS[1:]]
+    assert [schema.field(c.name).type for c in ALWAYS[1:]] == [c.type for c in ALWAYS[1:]]
     assert all(field.nullable for field in schema)  # `nullable` in the table is documentation only
     assert output_schema(ROW_POSITION_ID_TYPE, []).field("id").type == pa.int64()
 
@@ -68,7 +73,7 @@ def test_writer_reads_every_column_from_the_result(tmp_path):
     writer.commit()
     row = pq.read_table(out.run_parts()[0]).to_pylist()[0]
     assert row["id"] == "row-3" and row["tag"] == 42 and row["_row"] == 3
-    for column in COLUMNS[1:]:
+    for column in ALWAYS[1:]:
         value = getattr(result, column.name)
         if pa.types.is_timestamp(column.type):
             assert row[column.name].timestamp() == value, column.name

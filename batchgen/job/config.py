@@ -1,12 +1,13 @@
 """job.yaml -> a frozen, validated JobConfig. Every error names the key (or file) it is about.
 
 The `engine:` keys are EngineArgs' fields (but model, dtype and device, which are top-level keys) and the
-`sampling:` keys are SamplingParams' fields: a field added there is a job key with no edit here. A value is
-checked once for its YAML type here, then by EngineArgs.validate() or SamplingParams.validate(), whose
-SettingError names the field."""
+`sampling:` keys are SamplingParams' fields (and json_schema_file, read into json_schema when the job loads): a
+field added there is a job key with no edit here. A value is checked once for its YAML type here, then by
+EngineArgs.validate() or SamplingParams.validate(), whose SettingError names the field."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import string
 import typing
@@ -19,15 +20,17 @@ import yaml
 
 from batchgen.engine.engine_args import EngineArgs
 from batchgen.engine.errors import SettingError
-from batchgen.engine.request import SamplingParams
+from batchgen.engine.request import CONSTRAINT_KEYS, SamplingParams
+from batchgen.engine.structured import check_constraint
 
 from .keys import JobConfigError, keys_of, plain, read_keys
 from .schema import OUTPUT_COLUMNS, ROW_COLUMN
 
 log = logging.getLogger(__name__)
 
-# Input columns with these names override the job's sampling value for their row.
-ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+# Input columns with these names override the job's sampling value for their row. A row's constraint (one of
+# CONSTRAINT_KEYS) replaces the job's, whichever key the job used.
+ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs") + CONSTRAINT_KEYS
 
 # EngineArgs fields that the job file has as top-level keys rather than under `engine:`.
 TOP_LEVEL_KEYS = ("model", "dtype", "device")
@@ -79,6 +82,18 @@ def _sampling_config() -> type:
 SamplingConfig = _sampling_config()
 
 
+def _integer_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
+    hints = typing.get_type_hints(SamplingParams)
+    return tuple(key for key in keys if int in (hints[key], *typing.get_args(hints[key])))
+
+
+# The per-row keys that SamplingParams holds as integers: a float column's whole values (5.0) become ints.
+ROW_INTEGER_KEYS = _integer_keys(ROW_SAMPLING_KEYS)
+
+# The job's sampling keys: SamplingConfig's, and json_schema_file, read when the job loads into json_schema.
+SAMPLING_KEYS = {**keys_of(SamplingConfig), "json_schema_file": (str | None, False)}
+
+
 @dataclass(frozen=True)
 class OutputConfig:
     path: str
@@ -86,6 +101,7 @@ class OutputConfig:
     order: Literal["input", "completion"] = "input"
     rows_per_part: int = 1000
     commit_interval_s: float = 60.0
+    parse_json: bool = False  # the `json` column: each row's text parsed, typed from sampling.json_schema
 
 
 @dataclass(frozen=True)
@@ -125,13 +141,14 @@ JOB_KEYS = {
     "model": (str, False),
     "dtype": (Literal["auto", "float32", "bfloat16", "float16"], False),
     "device": (Literal["auto", "cpu", "cuda"], False),
-    "sampling": (SamplingConfig, False),
+    "sampling": (SAMPLING_KEYS, False),
     "engine": (ENGINE_KEYS, False),
 }
 
 
 def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfig:
-    """Read a job file, apply `--set key.path=value` overrides and validate."""
+    """Read a job file, apply `--set key.path=value` overrides and validate. Files the job names
+    (sampling.json_schema_file) are found relative to the job file's directory."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -152,7 +169,7 @@ def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfi
         raise JobConfigError(f"{path}: the job file must be a mapping of keys, got {type(raw).__name__}")
     for item in overrides:
         apply_override(raw, item)
-    return parse_job(raw)
+    return parse_job(raw, base_dir=path.parent)
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -179,8 +196,11 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     node[leaf] = value
 
 
-def parse_job(raw: dict[str, Any]) -> JobConfig:
-    values = read_keys(JOB_KEYS, raw, prefix="")
+def parse_job(raw: dict[str, Any], base_dir: Path | None = None) -> JobConfig:
+    """The job from its raw mapping; `base_dir` is where relative paths of files the job names are found (default:
+    the current directory)."""
+    values = read_keys(JOB_KEYS, _with_schema_text(raw), prefix="")
+    values["sampling"] = _sampling(values["sampling"], base_dir)
     engine = values.pop("engine")
     explicit_sort = "sort" in (raw.get("input") or {})
     source = _input_with_sort(values.pop("input"), engine.pop("sort", None), explicit_sort)
@@ -201,6 +221,44 @@ def _input_with_sort(source: InputConfig, engine_sort: str | None, explicit: boo
     return dataclasses.replace(source, sort=engine_sort)
 
 
+# -- sampling.json_schema: inline (a mapping or JSON text) or from a file -----------------------------------------
+
+def _with_schema_text(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with an inline sampling.json_schema mapping written as JSON text (its key order kept: the order of
+    properties is the order they are generated in). A string is taken as JSON text already."""
+    sampling = raw.get("sampling")
+    if not isinstance(sampling, dict) or not isinstance(sampling.get("json_schema"), (dict, list)):
+        return raw
+    try:
+        text = json.dumps(sampling["json_schema"], ensure_ascii=False)
+    except (TypeError, ValueError) as exc:  # e.g. an unquoted YAML date
+        raise JobConfigError(f"sampling.json_schema: cannot be written as JSON: {exc} (quote the value)") from None
+    return {**raw, "sampling": {**sampling, "json_schema": text}}
+
+
+def _sampling(values: dict[str, Any], base_dir: Path | None) -> SamplingConfig:
+    """The sampling section, sampling.json_schema_file read into json_schema and checked there (its errors name
+    the file key)."""
+    file = values.pop("json_schema_file", None)
+    if file is None:
+        return SamplingConfig(**values)
+    key = "sampling.json_schema_file"
+    if values.get("json_schema") is not None:
+        raise JobConfigError(f"{key}: set sampling.json_schema or sampling.json_schema_file, not both")
+    path = Path(file).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JobConfigError(f"{key}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        check_constraint("json_schema", text)
+    except SettingError as exc:
+        raise JobConfigError(f"{key}: {path}: {exc}") from None
+    return SamplingConfig(**values, json_schema=text)
+
+
 # -- checks across keys ------------------------------------------------------------------------------------------
 
 def _check(config: JobConfig) -> None:
@@ -210,6 +268,9 @@ def _check(config: JobConfig) -> None:
     _validate(config.engine, "engine")
     _validate(config.sampling.params(), "sampling")
     _check_output(config.output)
+    if config.output.parse_json and config.sampling.json_schema is None:
+        raise JobConfigError("output.parse_json: needs sampling.json_schema (or sampling.json_schema_file): the "
+                             "json column is typed from it")
 
 
 def _validate(settings: EngineArgs | SamplingParams, section: str) -> None:

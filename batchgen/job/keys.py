@@ -84,7 +84,9 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise JobConfigError(f"{key}: expected a string, got {_describe(value)}")
+            # unquoted, YAML reads yes, no, on, off, true, false as booleans and 1, 2.5 as numbers
+            hint = " (quote it to make it text)" if isinstance(value, (bool, int, float)) else ""
+            raise JobConfigError(f"{key}: expected a string, got {_describe(value)}{hint}")
         return value
     raise TypeError(f"unsupported config type {hint!r} for {key}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import platform
 import tempfile
@@ -21,12 +22,14 @@ from batchgen.engine.engine_args import parse_bytes
 from batchgen.engine.process_memory import peak_rss_bytes
 from batchgen.engine.errors import SettingError
 
-from .config import JobConfig, JobConfigError, setting_error
+from .config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, setting_error
 from .resume import check_output, describe_changes, input_identity, output_errors
-from .schema import ROW_POSITION_ID_TYPE, output_schema
+from .schema import ROW_POSITION_ID_TYPE, OutputOptions, output_schema
 from .sink import OutputDir, PartWriter, RowTotals, apply_plan, final_part_schema, finalize, run_part_schema
 from .inputs import InputFiles, inspect_input
 from .source import SourceRow, read_source
+
+log = logging.getLogger(__name__)
 
 # The parts of a job that change its results: a resume is refused when any of them differs.
 PROMPT_KEYS = ("id_column", "prompt_column", "messages_column", "system_prompt", "system_column", "template",
@@ -45,10 +48,14 @@ class PreparedJob:
     cost_per_hour: float | None = None  # the machine's price, for _SUCCESS's tokens_per_dollar
 
     @property
+    def options(self) -> OutputOptions:
+        return OutputOptions.of(self.config, self.inputs.column_types)
+
+    @property
     def schema(self) -> pa.Schema:
         types = self.inputs.column_types
         id_type = types[self.config.input.id_column] if self.config.input.id_column else ROW_POSITION_ID_TYPE
-        return output_schema(id_type, [(c, types[c]) for c in self.config.output.keep_columns])
+        return output_schema(id_type, [(c, types[c]) for c in self.config.output.keep_columns], self.options)
 
     @property
     def run_schema(self) -> pa.Schema:
@@ -73,13 +80,15 @@ class Progress:
     prompt_tokens: int = 0  # of generated rows
     cached_tokens: int = 0
 
-    def add(self, result: Result) -> None:
+    def add(self, results: list[Result]) -> None:
+        """One input row done: its result, or its samples'."""
         self.rows_done += 1
         self.rows_this_run += 1
-        self.output_tokens += result.output_tokens
-        if result.finish_reason != "error":
-            self.prompt_tokens += result.prompt_tokens
-            self.cached_tokens += result.cached_tokens
+        for result in results:
+            self.output_tokens += result.output_tokens
+            if result.finish_reason != "error":
+                self.prompt_tokens += result.prompt_tokens
+                self.cached_tokens += result.cached_tokens
 
     @property
     def elapsed_s(self) -> float:
@@ -240,7 +249,8 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
         done = job.done = job.done if job.done is not None else out.done_rows(job.inputs.total_rows)
         progress = Progress(job.inputs.total_rows, done.count(1))
         writer = PartWriter(out, job.schema, fingerprint_text(job.fingerprint), config.output.rows_per_part,
-                            config.output.commit_interval_s, sort_by_row=config.output.order == "input")
+                            config.output.commit_interval_s, sort_by_row=config.output.order == "input",
+                            json_type=job.options.json)
         engine_stats: dict = {}
         try:
             if progress.rows_done < progress.rows_total:
@@ -248,11 +258,14 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
                 progress.generation_started = time.monotonic()
                 if on_start:
                     on_start(progress)
+                row_keys = [key for key in ROW_SAMPLING_KEYS if key in job.inputs.column_types]
+                if row_keys:  # a column named `n` or `choice` is easily someone's data: say what it does here
+                    log.info("input columns that set sampling per row: %s", ", ".join(row_keys))
                 rows = read_source(config, job.inputs, engine.tokenizer, engine.max_model_len, done,
                                    context_limit=context_limit(engine))
 
-                def notify(result: Result) -> None:
-                    progress.add(result)
+                def notify(results: list[Result]) -> None:
+                    progress.add(results)
                     if on_progress:
                         on_progress(progress)
 
@@ -319,25 +332,39 @@ def load_engine(job: PreparedJob):
 
 
 def stream_rows(rows: Iterable[SourceRow], generate: Callable[[Iterator[Request]], Iterable[Result]],
-                writer: PartWriter, on_result: Callable[[Result], Any] = lambda result: None) -> None:
-    """Feed rows to `generate` lazily and write every result. Error rows skip the engine: their error result is
-    written as they are pulled. Only the requests inside the engine are remembered."""
-    in_engine: dict[int, tuple[Any, tuple]] = {}
+                writer: PartWriter, on_row: Callable[[list[Result]], Any] = lambda results: None) -> None:
+    """Feed rows to `generate` lazily and write every row's results. Error rows skip the engine: their error result is
+    written as they are pulled. A request of n samples gives n results (sample_index 0..n-1, the engine returns them
+    together), or one error result: they are written as one group, so that no part holds only some of a row's
+    samples. Only the requests inside the engine are remembered."""
+    in_engine: dict[int, tuple[Any, tuple, int]] = {}  # row -> (id, kept values, samples asked)
+    arrived: dict[int, list[Result]] = {}  # row -> its samples so far
 
     def requests() -> Iterator[Request]:
         for row in rows:
             if row.error is not None:
                 result = error_result(row)
                 writer.add(row.row, row.id, row.keep, result)
-                on_result(result)
+                on_row([result])
                 continue
-            in_engine[row.row] = (row.id, row.keep)
+            in_engine[row.row] = (row.id, row.keep, row.sampling.n)
             yield Request(row.row, row.token_ids, row.sampling)
 
     for result in generate(requests()):
-        ident, keep = in_engine.pop(result.request_id)
-        writer.add(result.request_id, ident, keep, result)
-        on_result(result)
+        row = result.request_id
+        ident, keep, n = in_engine[row]
+        group = arrived.setdefault(row, [])
+        group.append(result)
+        if len(group) < n and result.finish_reason != "error":
+            continue
+        del in_engine[row], arrived[row]
+        group.sort(key=lambda sample: sample.sample_index)
+        writer.add(row, ident, keep, *group)
+        on_row(group)
+    if arrived:
+        row, group = next(iter(arrived.items()))
+        raise RuntimeError(f"internal error: the engine returned {len(group)} of the {in_engine[row][2]} samples "
+                           f"of row {row}")
 
 
 def error_result(row: SourceRow) -> Result:
@@ -366,6 +393,7 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, engin
     dtype = resolved_dtype(job.config)
     summary = {
         "rows": totals.rows,
+        "output_rows": totals.output_rows,
         "rows_ok": totals.rows_ok,
         "rows_error": totals.rows_error,
         "prompt_tokens": totals.prompt_tokens,

@@ -1,13 +1,20 @@
-"""The output columns, defined once: name, Arrow type, how the value is read from a Result, and the meaning the
-README's output table shows (tests/test_output_schema.py keeps that table equal to this one)."""
+"""The output columns, defined once: name, Arrow type, how the value is read from a Result, when the column is
+there (most always are; some only when the job asks for them), and the meaning the README's output table shows
+(tests/test_output_schema.py keeps that table equal to this one)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Container
+from typing import TYPE_CHECKING, Any, Callable
 
 import pyarrow as pa
 
 from batchgen.engine.request import Result
+
+from .json_output import JsonType, schema_json_type
+
+if TYPE_CHECKING:
+    from .config import JobConfig
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 
@@ -17,45 +24,126 @@ ROW_POSITION_ID_TYPE = pa.int64()
 # The internal column of in-progress part files: the row's position in the input (the resume ledger).
 ROW_COLUMN = "_row"
 
+# The column that tells a row's samples apart (with n > 1): output rows sort by (ROW_COLUMN, SAMPLE_COLUMN).
+SAMPLE_COLUMN = "sample_index"
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What decides the output columns beyond the fixed ones: the job's sampling and output keys, and which per-row
+    sampling columns the input has."""
+
+    samples: bool = False  # sample_index: n > 1 in the job, or an `n` input column
+    choice: bool = False  # choice_probs: sampling.choice, or a `choice` input column
+    logprobs: bool = False  # logprobs and top_logprobs: sampling.logprobs, or a `logprobs` input column
+    json: JsonType | None = None  # the `json` column's type: output.parse_json, from sampling.json_schema
+
+    @classmethod
+    def of(cls, config: JobConfig, input_columns: Container[str]) -> OutputOptions:
+        sampling = config.sampling
+        return cls(samples=sampling.n > 1 or "n" in input_columns,
+                   choice=bool(sampling.choice) or "choice" in input_columns,
+                   logprobs=sampling.logprobs is not None or "logprobs" in input_columns,
+                   json=schema_json_type(sampling.json_schema) if config.output.parse_json else None)
+
+
+@dataclass(frozen=True)
+class JobType:
+    """A column type that the job decides."""
+
+    text: str  # as the README writes it
+    of: Callable[[pa.DataType, OutputOptions], pa.DataType]  # (input.id_column's type, options) -> the type
+
+
+@dataclass(frozen=True)
+class Condition:
+    """When a column is in the output (a column without one always is)."""
+
+    applies: Callable[[OutputOptions], bool]
+    text: str  # as the README writes it: "with ..."
+
 
 @dataclass(frozen=True)
 class OutputColumn:
     name: str
-    type: pa.DataType | None  # None: the type of input.id_column (ROW_POSITION_ID_TYPE without one)
+    type: pa.DataType | JobType
     nullable: bool  # documentation only: every Arrow field stays nullable, so the files do not change
     meaning: str
     read: Callable[[Result], Any] | None = None  # default: the Result attribute of the same name
+    only: Condition | None = None
 
     def value(self, result: Result) -> Any:
         value = self.read(result) if self.read else getattr(result, self.name)
-        if self.type is not None and pa.types.is_timestamp(self.type) and value is not None:
+        if isinstance(self.type, pa.DataType) and pa.types.is_timestamp(self.type) and value is not None:
             return int(round(value * 1_000_000))  # epoch seconds -> microseconds
         return value
+
+    def present(self, options: OutputOptions) -> bool:
+        return self.only is None or self.only.applies(options)
+
+    def arrow_type(self, id_type: pa.DataType, options: OutputOptions) -> pa.DataType:
+        return self.type.of(id_type, options) if isinstance(self.type, JobType) else self.type
 
     @property
     def type_text(self) -> str:
         """The type as the README writes it."""
-        if self.type is None:
-            text = f"as `input.id_column` ({type_text(ROW_POSITION_ID_TYPE)} for row positions)"
-        else:
-            text = type_text(self.type)
+        text = self.type.text if isinstance(self.type, JobType) else type_text(self.type)
         return f"{text}, null" if self.nullable else text
+
+    @property
+    def table_row(self) -> tuple[str, str, str]:
+        """The column's row of the README's output table."""
+        meaning = f"{self.meaning} (only {self.only.text})" if self.only else self.meaning
+        return f"`{self.name}`", self.type_text, meaning
 
 
 def type_text(arrow_type: pa.DataType) -> str:
-    if pa.types.is_timestamp(arrow_type):
-        return f"timestamp[{arrow_type.unit}, {arrow_type.tz}]"
-    return "float64" if arrow_type == pa.float64() else str(arrow_type)
+    t = arrow_type
+    if pa.types.is_timestamp(t):
+        return f"timestamp[{t.unit}, {t.tz}]"
+    if pa.types.is_list(t):
+        return f"list<{type_text(t.value_type)}>"
+    if pa.types.is_struct(t):
+        fields = ", ".join(f"{t.field(i).name}: {type_text(t.field(i).type)}" for i in range(t.num_fields))
+        return f"struct<{fields}>"
+    return "float64" if t == pa.float64() else str(t)
 
 
-# The fixed output columns, in order; output.keep_columns follow them. The id comes from the input row, every
-# other column from the row's Result.
+def _choice_probs(result: Result) -> list[dict] | None:
+    if result.choice_probs is None:
+        return None
+    return [{"choice": choice, "prob": prob} for choice, prob in result.choice_probs]
+
+
+def _top_logprobs(result: Result) -> list[list[dict]] | None:
+    if result.top_logprobs is None:
+        return None
+    return [[{"token": text, "token_id": token_id, "logprob": logprob} for text, token_id, logprob in alternatives]
+            for alternatives in result.top_logprobs]
+
+
+ID_TYPE = JobType(f"as `input.id_column` ({type_text(ROW_POSITION_ID_TYPE)} for row positions)",
+                  lambda id_type, options: portable_type(id_type))
+JSON_TYPE = JobType("from `sampling.json_schema` (see below)", lambda id_type, options: options.json.arrow)
+CHOICE_PROBS_TYPE = pa.list_(pa.struct([("choice", pa.string()), ("prob", pa.float64())]))
+TOP_LOGPROBS_TYPE = pa.list_(pa.list_(pa.struct([("token", pa.string()), ("token_id", pa.int32()),
+                                                 ("logprob", pa.float64())])))
+WITH_LOGPROBS = Condition(lambda o: o.logprobs, "with `sampling.logprobs` or a `logprobs` column")
+
+# The output columns, in order; output.keep_columns follow them. The id comes from the input row, `json` from the
+# row's text (json_output.py), every other column from the row's Result. A column with a condition is in the output
+# only when the job asks for it.
 COLUMNS = (
-    OutputColumn("id", None, False, "the row's id"),
+    OutputColumn("id", ID_TYPE, False, "the row's id"),
+    OutputColumn(SAMPLE_COLUMN, pa.int32(), False, "the sample's number, 0 to n-1: a row gives one output row per "
+                 "sample, all with its id; an error row gives one, numbered 0",
+                 only=Condition(lambda o: o.samples, "with `sampling.n` above 1 or an `n` column")),
     OutputColumn("text", pa.string(), False, "the generated text (empty for an error row)"),
     OutputColumn("finish_reason", pa.string(), False, "`stop` (end of sequence or a stop string), `length` "
                  "(`max_tokens` or the context) or `error`"),
-    OutputColumn("error", pa.string(), True, "why the row failed; null unless `finish_reason` is `error`"),
+    OutputColumn("error", pa.string(), True, "why the row failed (`finish_reason` is `error`); with "
+                 "`output.parse_json`, also why a row's `json` is null (`finish_reason` stays `stop` or `length`); "
+                 "null otherwise"),
     OutputColumn("prompt_tokens", pa.int64(), False, "prompt length in tokens (for a too-long prompt: its length)"),
     OutputColumn("output_tokens", pa.int64(), False, "generated tokens"),
     OutputColumn("cached_tokens", pa.int64(), False, "prompt tokens served from the prefix cache"),
@@ -69,17 +157,31 @@ COLUMNS = (
     OutputColumn("finish_time", TIMESTAMP, False, "finish"),
     OutputColumn("num_preemptions", pa.int64(), False,
                  "times the row was preempted (recomputed, nothing lost or repeated)"),
+    OutputColumn("choice_probs", CHOICE_PROBS_TYPE, True, "each candidate of the row's `choice`, in its order, "
+                 "with its probability (they sum to 1); `text` is the chosen one; null for an error row or a row "
+                 "without choices", read=_choice_probs,
+                 only=Condition(lambda o: o.choice, "with `sampling.choice` or a `choice` column")),
+    OutputColumn("logprobs", pa.list_(pa.float64()), True, "each output token's logprob; null for an error row or "
+                 "a row without `logprobs`", only=WITH_LOGPROBS),
+    OutputColumn("top_logprobs", TOP_LOGPROBS_TYPE, True, "per output token, the `logprobs` likeliest tokens "
+                 "(text, id, logprob); null as `logprobs`", read=_top_logprobs, only=WITH_LOGPROBS),
+    OutputColumn("json", JSON_TYPE, True, "the text parsed as JSON, typed from the schema; null for an error "
+                 "row, and when the text was cut by `max_tokens`, is not JSON or does not fit the type (`error` says "
+                 "which)", only=Condition(lambda o: o.json is not None, "with `output.parse_json`")),
 )
 ID_COLUMN, RESULT_COLUMNS = COLUMNS[0], COLUMNS[1:]
+JSON_COLUMN = next(column for column in COLUMNS if column.name == "json")
 OUTPUT_COLUMNS = tuple(column.name for column in COLUMNS)
 
 # The README table's last row: the input columns copied after the fixed ones.
 KEEP_COLUMNS_ROW = ("*keep_columns*", "as in the input", "copied from the input row")
 
 
-def output_schema(id_type: pa.DataType, keep: list[tuple[str, pa.DataType]]) -> pa.Schema:
-    """The output columns; the id and the kept input columns take their input type in its portable form."""
-    fields = [(column.name, portable_type(id_type) if column.type is None else column.type) for column in COLUMNS]
+def output_schema(id_type: pa.DataType, keep: list[tuple[str, pa.DataType]],
+                  options: OutputOptions = OutputOptions()) -> pa.Schema:
+    """The output columns that `options` asks for; the id and the kept input columns take their input type in its
+    portable form."""
+    fields = [(column.name, column.arrow_type(id_type, options)) for column in COLUMNS if column.present(options)]
     return pa.schema(fields + [(name, portable_type(arrow_type)) for name, arrow_type in keep])
 
 
@@ -112,5 +214,5 @@ def _portable_field(field: pa.Field) -> pa.Field:
 
 def markdown_rows() -> list[str]:
     """The README's output table, as it should read."""
-    rows = [(f"`{c.name}`", c.type_text, c.meaning) for c in COLUMNS] + [KEEP_COLUMNS_ROW]
+    rows = [c.table_row for c in COLUMNS] + [KEEP_COLUMNS_ROW]
     return ["| column | type | meaning |", "|---|---|---|"] + [f"| {' | '.join(row)} |" for row in rows]

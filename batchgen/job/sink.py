@@ -7,7 +7,8 @@ and once it has finished:
     part-00000.parquet ...  the output, without `_row`
     _SUCCESS                the run summary (JSON)
 Anything not yet committed lives in the sibling directory `.<name>.batchgen-tmp/`, removed after success.
-The committed run parts are the ledger: their `_row` columns say which input rows are done.
+The committed run parts are the ledger: their `_row` columns say which input rows are done (with n > 1 samples per
+row, a row's samples are always committed in the same part, so a done row has all of them).
 
 Every part carries the job's fingerprint in its Parquet metadata: that, not its name, makes a file batchgen's
 (only such files are ever deleted). Parts are written with page checksums, read back with them verified."""
@@ -31,8 +32,9 @@ import pyarrow.parquet as pq
 
 from batchgen.engine.request import Result
 
+from .json_output import JsonType, parse_json_output
 from .parquet_read import first_line
-from .schema import COLUMNS, ID_COLUMN, RESULT_COLUMNS, ROW_COLUMN
+from .schema import ID_COLUMN, JSON_COLUMN, OUTPUT_COLUMNS, RESULT_COLUMNS, ROW_COLUMN, SAMPLE_COLUMN
 
 FINGERPRINT_KEY = b"batchgen.fingerprint"
 SUCCESS = "_SUCCESS"
@@ -196,10 +198,12 @@ class OutputDir:
 
 class PartWriter:
     """Buffers output rows and commits them as run parts: written under the temp directory, fsynced, renamed
-    into `output.path`. A commit happens every `rows_per_part` rows or `commit_interval_s` seconds."""
+    into `output.path`. A commit happens every `rows_per_part` output rows or `commit_interval_s` seconds, between
+    input rows: an input row's samples are always committed together, so the ledger of done input rows holds."""
 
     def __init__(self, out: OutputDir, schema: pa.Schema, fingerprint: str, rows_per_part: int,
-                 commit_interval_s: float, sort_by_row: bool, clock: Callable[[], float] = time.monotonic):
+                 commit_interval_s: float, sort_by_row: bool, clock: Callable[[], float] = time.monotonic,
+                 json_type: JsonType | None = None):
         self.out = out
         self.schema = run_part_schema(schema, fingerprint)
         self.rows_per_part = rows_per_part
@@ -208,20 +212,35 @@ class PartWriter:
         self.clock = clock
         self.seq = out.next_seq()
         self.columns: dict[str, list] = {name: [] for name in self.schema.names}
-        self.keep_names = self.schema.names[len(COLUMNS):-1]
+        self.result_columns = [column for column in RESULT_COLUMNS if column.name in self.schema.names]
+        self.keep_names = [name for name in self.schema.names if name not in OUTPUT_COLUMNS and name != ROW_COLUMN]
+        self.json_type = json_type  # output.parse_json: the json column's type, from sampling.json_schema
+        if (JSON_COLUMN.name in self.schema.names) != (json_type is not None):
+            raise ValueError("PartWriter: the schema has a json column exactly when json_type is given")
         self.last_commit = clock()
         self.committed_rows = 0
 
-    def add(self, row: int, ident: Any, keep: tuple, result: Result) -> None:
+    def add(self, row: int, ident: Any, keep: tuple, *results: Result) -> None:
+        """One input row's output rows: its Result, or its n samples' (in sample order)."""
         c = self.columns
-        c[ID_COLUMN.name].append(ident)
-        for column in RESULT_COLUMNS:
-            c[column.name].append(column.value(result))
-        for name, value in zip(self.keep_names, keep):
-            c[name].append(value)
-        c[ROW_COLUMN].append(row)
+        for result in results:
+            derived = self.derive(result)
+            c[ID_COLUMN.name].append(ident)
+            for column in self.result_columns:
+                c[column.name].append(derived[column.name] if column.name in derived else column.value(result))
+            for name, value in zip(self.keep_names, keep):
+                c[name].append(value)
+            c[ROW_COLUMN].append(row)
         if len(c[ROW_COLUMN]) >= self.rows_per_part or self.clock() - self.last_commit >= self.commit_interval_s:
             self.commit()
+
+    def derive(self, result: Result) -> dict[str, Any]:
+        """The values the sink derives from a result rather than reads: with output.parse_json, `json` and the
+        `error` of a text that gave none."""
+        if self.json_type is None:
+            return {}
+        value, error = parse_json_output(result, self.json_type)
+        return {JSON_COLUMN.name: value, "error": result.error if result.error is not None else error}
 
     def commit(self) -> None:
         self.last_commit = self.clock()
@@ -230,11 +249,17 @@ class PartWriter:
         table = pa.table({name: pa.array(values, type=self.schema.field(name).type)
                           for name, values in self.columns.items()}, schema=self.schema)
         if self.sort_by_row:
-            table = table.sort_by(ROW_COLUMN)
+            table = in_row_order(table)
         atomic_write(table, self.out, f"run-{self.seq:05d}.parquet", row_group_size=1024)
         self.seq += 1
         self.committed_rows += table.num_rows
         self.columns = {name: [] for name in self.schema.names}
+
+
+def in_row_order(table: pa.Table) -> pa.Table:
+    """Sorted by input position, a row's samples by their number."""
+    keys = [ROW_COLUMN] + ([SAMPLE_COLUMN] if SAMPLE_COLUMN in table.schema.names else [])
+    return table.sort_by([(key, "ascending") for key in keys])
 
 
 def atomic_write(table: pa.Table, out: OutputDir, name: str, row_group_size: int | None = None,
@@ -268,9 +293,11 @@ def _fsync(path: Path) -> None:
 
 @dataclass
 class RowTotals:
-    """Sums over the output rows, for _SUCCESS."""
+    """Sums over the output rows, for _SUCCESS. `rows` counts input rows: with n > 1 a row has n output rows,
+    counted in `output_rows`. An error row is one output row, so rows_ok + rows_error == rows."""
 
     rows: int = 0
+    output_rows: int = 0
     rows_ok: int = 0
     rows_error: int = 0
     prompt_tokens: int = 0
@@ -280,13 +307,16 @@ class RowTotals:
     generated_prompt_tokens: int = 0  # prompt tokens of the rows that were not errors
 
     def add(self, table: pa.Table) -> None:
+        """Add a table holding every output row of its input rows (`_row` included)."""
         is_error = pc.equal(table["finish_reason"], "error")
         errors = pc.sum(is_error).as_py() or 0
         generated = pc.filter(table["prompt_tokens"], pc.invert(is_error))
         self.generated_prompt_tokens += pc.sum(generated).as_py() or 0
-        self.rows += table.num_rows
+        rows = pc.count_distinct(table[ROW_COLUMN]).as_py()
+        self.rows += rows
+        self.output_rows += table.num_rows
         self.rows_error += errors
-        self.rows_ok += table.num_rows - errors
+        self.rows_ok += rows - errors
         for name, column in (("prompt_tokens", "prompt_tokens"), ("output_tokens", "output_tokens"),
                              ("cached_tokens", "cached_tokens"), ("preemptions", "num_preemptions")):
             setattr(self, name, getattr(self, name) + (pc.sum(table[column]).as_py() or 0))
@@ -305,9 +335,9 @@ def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, row
     tables = ordered_tables(run_parts, total_rows, rows_per_part) if order == "input" \
         else (read_part(p) for p in run_parts)
     totals, names = RowTotals(), []
-    for table in tables:
-        table = table.drop_columns([ROW_COLUMN]).cast(schema)
+    for table in tables:  # each holds all of its input rows' samples: they were committed in one run part
         totals.add(table)
+        table = table.drop_columns([ROW_COLUMN]).cast(schema)
         names.append(f"part-{len(names):05d}.parquet")
         atomic_write(table, out, names[-1], directory=out.staging)
     if not names:  # an empty input still gets one (empty) part, so that readers find a file
@@ -336,9 +366,9 @@ def apply_plan(out: OutputDir) -> dict:
 
 
 def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -> Iterator[pa.Table]:
-    """The committed rows in input order, `rows_per_part` input positions per table. Run parts are sorted by
-    `_row` and their row groups carry min/max statistics: walking the ranges in order, each row group is read once,
-    when the first range it overlaps comes up, and dropped after the last one. Memory follows the sort window
+    """The committed rows in input order, `rows_per_part` input positions per table (with their samples). Run parts
+    are sorted by `_row` and their row groups carry min/max statistics: walking the ranges in order, each row group is
+    read once, when the first range it overlaps comes up, and dropped after the last one. Memory follows the sort window
     (how far apart rows committed together lie in the input), not the output size."""
     groups = []  # (min row, max row, part, row group index)
     for part in run_parts:
@@ -364,4 +394,4 @@ def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -
                 pieces.append(table.slice(first, end - first))
         active = [entry for entry in active if entry[0] >= stop]
         if pieces:
-            yield pa.concat_tables(pieces).sort_by(ROW_COLUMN)
+            yield in_row_order(pa.concat_tables(pieces))

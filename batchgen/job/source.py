@@ -11,9 +11,9 @@ import string
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Protocol
 
-from batchgen.engine.request import SamplingParams
+from batchgen.engine.request import CONSTRAINT_KEYS, SamplingParams
 
-from .config import ROW_SAMPLING_KEYS, JobConfig
+from .config import ROW_INTEGER_KEYS, ROW_SAMPLING_KEYS, JobConfig
 from .inputs import InputFiles, read_columns, required_columns
 from .parquet_read import Unreadable, batch_values, file_batches
 from .parquet_read import first_line as _first_line
@@ -224,16 +224,20 @@ class PromptBuilder:
         return prompt
 
     def row_sampling(self, values: dict[str, Any]) -> SamplingParams:
+        """The row's sampling: the job's, with the row's non-null values of the per-row columns. A row's constraint
+        (choice, regex, json_schema or grammar) replaces the job's, whichever it is."""
         overrides = {}
         for key in self.row_sampling_keys:
             value = values.get(key)
-            if value is None or (isinstance(value, float) and math.isnan(value)):
-                continue  # null: the job's value
-            if key in ("max_tokens", "top_k", "seed") and isinstance(value, float) and value.is_integer():
+            if value is None or (isinstance(value, float) and math.isnan(value)) or value == []:
+                continue  # null (or an empty choice list): the job's value
+            if key in ROW_INTEGER_KEYS and isinstance(value, float) and value.is_integer():
                 value = int(value)
             overrides[key] = value
         if not overrides:
             return self.default_params
+        if any(key in overrides for key in CONSTRAINT_KEYS):
+            overrides = {**{key: [] if key == "choice" else None for key in CONSTRAINT_KEYS}, **overrides}
         params = self.sampling.params(**overrides)
         try:
             params.validate()
