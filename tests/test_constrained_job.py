@@ -453,7 +453,8 @@ def stream(prepared: PreparedJob, generate, done=None) -> list[list[Result]]:
                         config.output.rows_per_part, 60.0, config.output.order == "input",
                         json_type=prepared.options.json)
     groups = []
-    stream_rows(read_source(config, prepared.inputs, ByteTokenizer(), None, done), generate, writer, groups.append)
+    stream_rows(read_source(config, prepared.inputs, ByteTokenizer(), None, done), generate, writer, groups.append,
+                json_schema=config.sampling.json_schema)
     writer.commit()
     return groups
 

@@ -173,3 +173,20 @@ def test_abort_removes_waiting_and_running_sequences():
     sched.abort(a)
     assert not sched.has_unfinished() and sched.kv_cache_manager.num_free_blocks == free + 2
     assert a.status is b.status is SequenceStatus.FINISHED
+
+
+def test_prefix_hits_stop_before_the_positions_a_score_sequence_needs():
+    """A SCORE sequence (a `choice` candidate) needs the logits of its positions from score_from on: a cache hit
+    must not cover them, even when an identical sequence left them cached (a re-admission after a preemption)."""
+    from batchgen.engine.sequence import SequenceRole
+
+    manager = KVCacheManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    first = make_seq(14, 1)
+    assert manager.allocate_slots(first, 14)  # caches its 3 full blocks: tokens 0-11
+    manager.free(first)
+    scored = make_seq(14, 1)
+    scored.role, scored.score_from = SequenceRole.SCORE, 9
+    blocks, tokens = manager.get_computed_blocks(scored)
+    assert tokens == 8 and len(blocks) == 2  # not the block holding positions 9-11
+    plain = make_seq(14, 1)
+    assert manager.get_computed_blocks(plain)[1] == 12

@@ -21,12 +21,12 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
-        """The longest cached prefix of a not-yet-admitted sequence, as (blocks, tokens). The last token is always
-        left to compute, since its logits are needed."""
+        """The longest cached prefix of a not-yet-admitted sequence, as (blocks, tokens). The tokens whose logits
+        are needed are always left to compute: the last one, and a SCORE sequence's scored ones."""
         if not self.enable_prefix_caching:
             return [], 0
         hits = []
-        for block_hash in seq.full_block_hashes(self.block_size, seq.num_tokens - 1):
+        for block_hash in seq.full_block_hashes(self.block_size, seq.num_cacheable_tokens):
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break

@@ -130,6 +130,11 @@ class Sequence:
         return self.role is SequenceRole.GENERATE
 
     @property
+    def num_cacheable_tokens(self) -> int:
+        """How many leading tokens a prefix-cache hit may cover: all but those whose logits are needed."""
+        return self.score_from if self.role is SequenceRole.SCORE else self.num_tokens - 1
+
+    @property
     def num_seqs_when_running(self) -> int:
         """Sequences this one occupies once computed: a PREFIX becomes its forks."""
         return len(self.forks) or 1

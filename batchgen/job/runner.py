@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 
 import batchgen
-from batchgen.engine import EngineArgs, Request, Result
+from batchgen.engine import EngineArgs, Request, Result, SamplingParams
 from batchgen.engine.engine_args import parse_bytes
 from batchgen.engine.process_memory import peak_rss_bytes
 from batchgen.engine.errors import SettingError
@@ -269,7 +269,7 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
                     if on_progress:
                         on_progress(progress)
 
-                stream_rows(rows, engine.generate, writer, notify)
+                stream_rows(rows, engine.generate, writer, notify, json_schema=config.sampling.json_schema)
                 engine_stats = engine.stats()
         except BaseException:
             _commit_quietly(writer)
@@ -332,12 +332,14 @@ def load_engine(job: PreparedJob):
 
 
 def stream_rows(rows: Iterable[SourceRow], generate: Callable[[Iterator[Request]], Iterable[Result]],
-                writer: PartWriter, on_row: Callable[[list[Result]], Any] = lambda results: None) -> None:
+                writer: PartWriter, on_row: Callable[[list[Result]], Any] = lambda results: None,
+                json_schema: str | None = None) -> None:
     """Feed rows to `generate` lazily and write every row's results. Error rows skip the engine: their error result is
     written as they are pulled. A request of n samples gives n results (sample_index 0..n-1, the engine returns them
     together), or one error result: they are written as one group, so that no part holds only some of a row's
-    samples. Only the requests inside the engine are remembered."""
-    in_engine: dict[int, tuple[Any, tuple, int]] = {}  # row -> (id, kept values, samples asked)
+    samples. Only the requests inside the engine are remembered. `json_schema`: the job's, with output.parse_json
+    (rows under another constraint are not parsed)."""
+    in_engine: dict[int, tuple[Any, tuple, SamplingParams]] = {}  # row -> (id, kept values, sampling)
     arrived: dict[int, list[Result]] = {}  # row -> its samples so far
 
     def requests() -> Iterator[Request]:
@@ -347,23 +349,23 @@ def stream_rows(rows: Iterable[SourceRow], generate: Callable[[Iterator[Request]
                 writer.add(row.row, row.id, row.keep, result)
                 on_row([result])
                 continue
-            in_engine[row.row] = (row.id, row.keep, row.sampling.n)
+            in_engine[row.row] = (row.id, row.keep, row.sampling)
             yield Request(row.row, row.token_ids, row.sampling)
 
     for result in generate(requests()):
         row = result.request_id
-        ident, keep, n = in_engine[row]
+        ident, keep, sampling = in_engine[row]
         group = arrived.setdefault(row, [])
         group.append(result)
-        if len(group) < n and result.finish_reason != "error":
+        if len(group) < sampling.n and result.finish_reason != "error":
             continue
         del in_engine[row], arrived[row]
         group.sort(key=lambda sample: sample.sample_index)
-        writer.add(row, ident, keep, *group)
+        writer.add(row, ident, keep, *group, parse_json=sampling.json_schema == json_schema)
         on_row(group)
     if arrived:
         row, group = next(iter(arrived.items()))
-        raise RuntimeError(f"internal error: the engine returned {len(group)} of the {in_engine[row][2]} samples "
+        raise RuntimeError(f"internal error: the engine returned {len(group)} of the {in_engine[row][2].n} samples "
                            f"of row {row}")
 
 

@@ -1,0 +1,188 @@
+"""Labeling a pipeline can trust, end to end through `batchgen run` on the default model: a 9-label `choice` over
+108 tickets, JSON-schema rows parsed into a typed `json` column, regex rows and rows of n samples, all in one job
+(per-row columns set each row's constraint), with logprobs. Then the same outputs with prefix caching off, a
+16-token budget, a tiny KV pool (preemptions) and after a `kill -9` and a resume."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+LABELS = ["BILLING", "SHIPPING", "RETURNS", "ACCOUNT", "TECHNICAL", "PRODUCT", "PRIVACY", "FEEDBACK", "OTHER"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "team": {"enum": ["billing", "shipping", "returns", "other"]},
+        "urgency": {"type": "integer", "minimum": 1, "maximum": 5},
+        "customer": {"type": "object", "properties": {"angry": {"type": "boolean"},
+                                                      "name": {"type": "string", "maxLength": 16}},
+                     "required": ["angry", "name"]},
+        "keywords": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+    },
+    "required": ["team", "urgency", "customer", "keywords"],
+}
+DATE = r"\d{4}-\d{2}-\d{2}"
+SAMPLES = Path(__file__).resolve().parent.parent / "data" / "samples" / "tickets.parquet"
+NUM_CHOICE, NUM_JSON, NUM_DATE, NUM_SAMPLED = 108, 6, 6, 3
+
+
+def make_input(path: Path) -> None:
+    tickets = pq.read_table(SAMPLES).to_pylist()
+    rows = []
+    for i, t in enumerate(tickets[:NUM_CHOICE]):
+        rows.append({"key": f"c{i:03d}", "prompt": f"Which team handles this ticket? {', '.join(LABELS)}.\n"
+                                                   f"Ticket: {t['ticket']}", "choice": LABELS})
+    for i, t in enumerate(tickets[:NUM_JSON]):
+        rows.append({"key": f"j{i}", "prompt": f"Describe this ticket as JSON: team, urgency 1-5, the customer and "
+                                               f"keywords.\nTicket: {t['ticket']}"})
+    events = ["the moon landing", "the fall of the Berlin wall", "the first iPhone release", "the Titanic sank",
+              "the euro was introduced", "the first email was sent"]
+    for i, event in enumerate(events[:NUM_DATE]):
+        rows.append({"key": f"d{i}", "prompt": f"When did {event} happen? Answer with a date.", "regex": DATE})
+    for i, t in enumerate(tickets[:NUM_SAMPLED]):
+        rows.append({"key": f"s{i}", "prompt": f"Summarize in five words: {t['ticket']}", "n": 3,
+                     "temperature": 0.9, "regex": r"[A-Za-z ,.']{1,60}"})
+    table = pa.table({
+        "key": [r["key"] for r in rows],
+        "prompt": [r["prompt"] for r in rows],
+        "choice": pa.array([r.get("choice") for r in rows], pa.list_(pa.string())),
+        "regex": pa.array([r.get("regex") for r in rows], pa.string()),
+        "n": pa.array([r.get("n") for r in rows], pa.int64()),
+        "temperature": pa.array([r.get("temperature") for r in rows], pa.float64()),
+    })
+    pq.write_table(table, path)
+
+
+def make_job(root: Path, name: str, **engine) -> Path:
+    job = {
+        "model": "default",
+        "dtype": "float32",
+        "input": {"path": str(root / "in.parquet"), "id_column": "key"},
+        "sampling": {"json_schema": SCHEMA, "max_tokens": 80, "temperature": 0.0, "seed": 11, "logprobs": 2},
+        "engine": {"max_num_seqs": 32, "kv_cache_memory": "256MiB", **engine},
+        "output": {"path": str(root / name), "parse_json": True, "rows_per_part": 8},
+    }
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def run_cli(job: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchgen", "run", str(job), "--quiet", *args],
+                          capture_output=True, text=True, timeout=900)
+
+
+def read(out: Path) -> pl.DataFrame:
+    return pl.read_parquet(f"{out}/*.parquet")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("constrained")
+    make_input(root / "in.parquet")
+    return root
+
+
+@pytest.fixture(scope="module")
+def baseline(root) -> pl.DataFrame:
+    done = run_cli(make_job(root, "baseline"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read(root / "baseline")
+
+
+def test_every_row_obeys_its_constraint(root, baseline):
+    total = NUM_CHOICE + NUM_JSON + NUM_DATE + NUM_SAMPLED * 3
+    assert baseline.height == total
+    summary = json.loads((root / "baseline" / "_SUCCESS").read_text())
+    assert summary["rows"] == NUM_CHOICE + NUM_JSON + NUM_DATE + NUM_SAMPLED and summary["output_rows"] == total
+
+    choice = baseline.filter(pl.col("id").str.starts_with("c"))
+    assert choice.height == NUM_CHOICE and set(choice["text"]) <= set(LABELS)  # 100% in the set
+    for text, probs in zip(choice["text"], choice["choice_probs"]):
+        assert [p["choice"] for p in probs] == LABELS
+        values = [p["prob"] for p in probs]
+        assert abs(sum(values) - 1.0) < 1e-6
+        assert text == LABELS[values.index(max(values))]  # greedy: the most probable label
+    assert choice["finish_reason"].unique().to_list() == ["stop"] and choice["json"].null_count() == NUM_CHOICE
+    assert choice["error"].null_count() == NUM_CHOICE  # another constraint than the job's schema: not parsed
+
+    answered = 0
+    for row in baseline.filter(pl.col("id").str.starts_with("j")).iter_rows(named=True):
+        if row["finish_reason"] == "length":
+            assert row["json"] is None and row["error"] == "max_tokens reached before the JSON closed"
+            continue
+        answered += 1
+        value = json.loads(row["text"])
+        jsonschema.validate(value, SCHEMA)
+        assert row["error"] is None and row["json"] == value  # the typed struct holds the parsed object
+    assert answered >= NUM_JSON - 1
+
+    dates = baseline.filter(pl.col("id").str.starts_with("d"))
+    assert all(re.fullmatch(DATE, text) for text in dates["text"]) and set(dates["finish_reason"]) == {"stop"}
+
+    sampled = baseline.filter(pl.col("id").str.starts_with("s"))
+    assert sampled["id"].to_list() == [f"s{i}" for i in range(NUM_SAMPLED) for _ in range(3)]
+    assert sampled["sample_index"].to_list() == [0, 1, 2] * NUM_SAMPLED
+    assert sampled.group_by("id").agg(pl.col("text").n_unique())["text"].max() > 1  # samples differ
+
+    # logprobs: one per output token, each with its 2 best alternatives
+    for row in baseline.iter_rows(named=True):
+        assert len(row["logprobs"]) == row["output_tokens"] == len(row["top_logprobs"])
+        assert all(len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"] for top in row["top_logprobs"])
+        assert all(lp <= 0 for lp in row["logprobs"])
+
+
+def assert_same(frame: pl.DataFrame, expected: pl.DataFrame) -> None:
+    """What must not change with how the work is cut: every output; probabilities up to float rounding (another
+    batch shape sums in another order)."""
+    frame, expected = frame.sort("id", "sample_index"), expected.sort("id", "sample_index")
+    columns = ["id", "sample_index", "text", "finish_reason", "json", "output_tokens"]
+    assert frame.select(columns).rows() == expected.select(columns).rows()
+    flat = lambda f: [p["prob"] for row in f["choice_probs"] if row is not None for p in row]
+    assert flat(frame) == pytest.approx(flat(expected), abs=1e-4)
+
+
+@pytest.mark.parametrize("name, engine", [
+    ("nocache", {"enable_prefix_caching": False}),
+    ("budget16", {"max_num_batched_tokens": 16}),
+    ("tinykv", {"kv_cache_memory": "12MiB", "max_num_seqs": 16}),
+])
+def test_same_outputs_however_the_work_is_cut(root, baseline, name, engine):
+    done = run_cli(make_job(root, name, **engine))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same(read(root / name), baseline)
+    if name == "tinykv":
+        assert json.loads((root / name / "_SUCCESS").read_text())["preemptions"] > 0
+
+
+def test_same_outputs_after_kill_9_and_resume(root, baseline):
+    job = make_job(root, "killed")
+    out = root / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while len(list(out.glob("run-*.parquet"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    committed = pl.concat([pl.read_parquet(p) for p in out.glob("run-*.parquet")])
+    assert 0 < committed["_row"].n_unique() < baseline["id"].n_unique()
+    resumed = run_cli(job)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = read(out)
+    assert_same(final, baseline)
+    assert final.select("id", "sample_index").is_duplicated().sum() == 0  # exactly once per (id, sample_index)
+    assert json.loads((out / "_SUCCESS").read_text())["resumed"] is True
