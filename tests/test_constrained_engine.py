@@ -270,3 +270,30 @@ def test_abort_drops_every_sample_and_candidate(engine, prompts):
     assert engine.abort("a") and engine.abort("b")
     assert not engine.has_unfinished()
     assert engine.kv_cache_manager.pool.num_free_blocks == engine.kv_cache_manager.pool.num_blocks
+
+
+def test_eos_is_allowed_exactly_when_the_grammar_accepts(engine):
+    """The bitmask of a regex `[0-9]{2}(ab)?`: EOS is masked until two digits are in, then allowed (the grammar
+    accepts) next to `ab`; after `ab`, EOS is the only token left."""
+    from batchgen.engine.structured import TokenBitmask
+
+    tokenizer, eos = engine.tokenizer, engine.eos_token_ids
+    matcher = engine.grammars.matcher("regex", "[0-9]{2}(ab)?")
+    bitmask = TokenBitmask(engine.vocab_size)
+
+    def allowed() -> torch.Tensor:
+        logits = torch.zeros(1, engine.vocab_size)
+        bitmask.apply(logits, {0: matcher})
+        return torch.isfinite(logits[0])
+
+    digit = tokenizer.convert_tokens_to_ids("4")
+    assert not allowed()[eos].any() and allowed()[digit]
+    assert matcher.accept(digit) and not allowed()[eos].any()
+    assert matcher.accept(digit)
+    now = allowed()
+    assert now[eos].all() and now[tokenizer.convert_tokens_to_ids("a")] and not now[digit]
+    for token in tokenizer.encode("ab", add_special_tokens=False):
+        assert matcher.accept(token)
+    now = allowed()
+    assert now[eos].all() and int(now.sum()) == len(eos)
+    assert matcher.accept(eos[0]) and matcher.is_terminated

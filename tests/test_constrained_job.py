@@ -651,3 +651,20 @@ def test_job_level_constraint_errors_exit_2_before_the_model_loads(tmp_path, mon
     assert result.exit_code == 2, (result.output, result.exception)
     assert result.stderr.strip().startswith(message) and "\n" not in result.stderr.strip()
     assert loads == [] and not (tmp_path / "out").exists()
+
+
+def test_a_constrained_job_without_xgrammar_exits_2_with_the_pip_command(tmp_path):
+    """xgrammar is an optional extra: without it a regex job stops before the model loads, saying how to install
+    it."""
+    import subprocess
+    import sys
+
+    write_parquet(tmp_path / "in.parquet", {"prompt": ["a"]})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"input": {"path": str(tmp_path / "in.parquet")}, "sampling": {"regex": "[a-z]+"},
+                                    "output": {"path": str(tmp_path / "out")}}))
+    hide = "import sys; sys.modules['xgrammar'] = None; from batchgen.cli import main; main()"
+    done = subprocess.run([sys.executable, "-c", hide, "plan", str(path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "sampling.regex" in done.stderr and "pip install 'xgrammar==0.2.9'" in done.stderr
