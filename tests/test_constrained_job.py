@@ -668,3 +668,13 @@ def test_a_constrained_job_without_xgrammar_exits_2_with_the_pip_command(tmp_pat
                           timeout=300)
     assert done.returncode == 2, done.stderr
     assert "sampling.regex" in done.stderr and "pip install 'xgrammar==0.2.9'" in done.stderr
+
+
+def test_the_engine_is_sized_for_every_sample_and_candidate_of_the_rows_left():
+    from batchgen.job.runner import engine_args_for
+
+    base = {"input": {"path": "x.parquet"}, "output": {"path": "out"}}
+    assert engine_args_for(parse_job(base), 3).max_num_seqs == 3
+    assert engine_args_for(parse_job({**base, "sampling": {"n": 4}}), 3).max_num_seqs == 12
+    assert engine_args_for(parse_job({**base, "sampling": {"choice": ["a", "b", "c"]}}), 2).max_num_seqs == 6
+    assert engine_args_for(parse_job({**base, "sampling": {"n": 8}}), 1000).max_num_seqs == 256  # the setting

@@ -311,9 +311,12 @@ def _commit_quietly(writer: PartWriter) -> None:
 
 
 def engine_args_for(config: JobConfig, rows_left: int) -> EngineArgs:
-    """The job's engine settings for a run of `rows_left` rows: max_num_seqs no higher than that, since no more
-    sequences can run at once, so the engine sizes its KV pool for them (kv_pool.py) and not for the setting."""
-    return dataclasses.replace(config.engine, max_num_seqs=max(1, min(config.engine.max_num_seqs, rows_left)))
+    """The job's engine settings for a run of `rows_left` rows: max_num_seqs no higher than the sequences they can
+    run at once (a row of n samples, or of k choices, runs as n or k), so the engine sizes its KV pool for them
+    (kv_pool.py) and not for the setting."""
+    sampling = config.sampling
+    per_row = max(sampling.n, len(sampling.choice), 1)
+    return dataclasses.replace(config.engine, max_num_seqs=max(1, min(config.engine.max_num_seqs, rows_left * per_row)))
 
 
 def load_engine(job: PreparedJob):
