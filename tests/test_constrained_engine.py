@@ -297,3 +297,20 @@ def test_eos_is_allowed_exactly_when_the_grammar_accepts(engine):
     now = allowed()
     assert now[eos].all() and int(now.sum()) == len(eos)
     assert matcher.accept(eos[0]) and matcher.is_terminated
+
+
+def test_special_tokens_never_enter_constrained_text(engine):
+    """Inside a JSON string any text may follow, but not a control token such as <|im_start|>: the grammar's
+    vocabulary leaves the special tokens (EOS aside) out."""
+    from batchgen.engine.structured import TokenBitmask
+
+    tokenizer = engine.tokenizer
+    matcher = engine.grammars.matcher("json_schema", json.dumps({"type": "object", "properties": {
+        "name": {"type": "string"}}, "required": ["name"]}))
+    for token in tokenizer.encode('{"name": "Bo', add_special_tokens=False):
+        assert matcher.accept(token)
+    logits = torch.zeros(1, engine.vocab_size)
+    TokenBitmask(engine.vocab_size).apply(logits, {0: matcher})
+    special = [t for t, added in tokenizer.added_tokens_decoder.items() if added.special]
+    assert len(special) > 10 and not torch.isfinite(logits[0, special]).any()
+    assert torch.isfinite(logits[0, tokenizer.encode("b", add_special_tokens=False)]).all()

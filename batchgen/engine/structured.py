@@ -94,15 +94,30 @@ class GrammarCompiler:
             compiled = self._compiled[key, text] = self._compile(key, text)
         return Matcher(_xgrammar(key).GrammarMatcher(compiled))
 
+    def _tokenizer_info(self, xgr) -> Any:
+        """The vocabulary as xgrammar sees it, special tokens other than EOS blanked: xgrammar finds no special
+        tokens in a tokenizer like SmolLM2's and would let `<|im_start|>` into a JSON string as its text; a blank
+        token is one it never allows (EOS stays allowed where the grammar accepts)."""
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.eos_token_ids)
+        special = {token for token, added in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
+                   if added.special and token not in self.eos_token_ids}
+        if not special:
+            return info
+        vocab = [""] * self.vocab_size
+        for text, token in self.tokenizer.get_vocab().items():
+            if token < self.vocab_size and token not in special:
+                vocab[token] = text
+        return xgr.TokenizerInfo(vocab, info.vocab_type, vocab_size=self.vocab_size,
+                                 stop_token_ids=self.eos_token_ids, add_prefix_space=info.add_prefix_space)
+
     def _compile(self, key: str, text: str) -> Any:
         xgr = _xgrammar(key)
         _parse(key, text)  # the same checks, and messages, as validation
         if self._compiler is None:
             if self.tokenizer is None:
                 raise SettingError(key, f"{key} needs a tokenizer and this model has none")
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.eos_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=1)
         try:
             if key == "json_schema":
                 # compact JSON: with free whitespace, a small model can emit blank lines until max_tokens
