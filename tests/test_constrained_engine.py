@@ -314,3 +314,26 @@ def test_special_tokens_never_enter_constrained_text(engine):
     special = [t for t, added in tokenizer.added_tokens_decoder.items() if added.special]
     assert len(special) > 10 and not torch.isfinite(logits[0, special]).any()
     assert torch.isfinite(logits[0, tokenizer.encode("b", add_special_tokens=False)]).all()
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000 + 7])
+def test_cpu_bitmask_kernel_equals_xgrammars_apply(vocab):
+    """batchgen's C++ apply (the CPU path) sets exactly the logits xgrammar's own apply sets, on the rows asked
+    for only: all-forbidden, all-allowed and mixed words, and a vocabulary that ends inside a word."""
+    import xgrammar as xgr
+    from batchgen_kernels import cpu_build
+
+    if not cpu_build.load():
+        pytest.skip("the C++ CPU kernels do not build here")
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, -(-vocab // 32)), dtype=torch.int32, generator=generator)
+    bitmask[1] = 0
+    bitmask[2] = -1
+    bitmask[3, ::2] = 0
+    logits = torch.randn(6, vocab, generator=generator)
+    rows = [0, 1, 2, 3, 5]
+    ours, theirs = logits.clone(), logits.clone()
+    torch.ops.batchgen.apply_token_bitmask_(ours, bitmask, torch.tensor(rows))
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[4], logits[4]) and torch.isinf(ours[1]).all() and torch.equal(ours[2], logits[2])

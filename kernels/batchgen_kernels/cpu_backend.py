@@ -29,6 +29,12 @@ def preferred() -> bool:
     return available() and torch.ops.batchgen.wide_vectors()
 
 
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits[rows[i], t] = -inf wherever bit t of bitmask[rows[i]] is 0 (xgrammar's packed layout), in place.
+    logits: fp32 [B, V]; bitmask: int32 [B, ceil(V / 32)]; rows: int64 [R]."""
+    torch.ops.batchgen.apply_token_bitmask_(logits, bitmask, rows)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence ([B, Hq, D]) against its paged context of seq_lens[i] tokens → [B, Hq, D]."""

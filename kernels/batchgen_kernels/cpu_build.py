@@ -130,6 +130,10 @@ def _register_fake() -> None:
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
+    @torch.library.register_fake("batchgen::apply_token_bitmask_")
+    def _(logits, bitmask, rows):
+        return None
+
     @torch.library.register_fake("batchgen::paged_prefill_")
     def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, out):
         return None
