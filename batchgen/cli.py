@@ -30,16 +30,20 @@ def main() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a job key, e.g. --set engine.max_num_seqs=64 (repeatable).")
 @click.option("--overwrite", is_flag=True, help="Discard the output of an earlier run and start over.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+              help="Where the engine runs (the job's executor.kind; ray: replicas on a Ray cluster via Ray Data).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary.")
 @click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
               help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
 @click.option("--cost-per-hour", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
               help="Price of this machine per hour: _SUCCESS then records cost_per_hour and tokens_per_dollar.")
-def run(job: str, overrides: tuple[str, ...], overwrite: bool, quiet: bool, debug: bool,
+def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | None, quiet: bool, debug: bool,
         cost_per_hour: float | None) -> None:
     """Run the job in JOB.yaml; re-running the same command resumes it."""
     from batchgen.job import execute_job, load_job, prepare_job
 
+    if executor is not None:
+        overrides = (*overrides, f"executor.kind={executor}")
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="batchgen: %(message)s")
     with reported_failures(debug):
         prepared = prepare_job(load_job(job, overrides), overwrite=overwrite)

@@ -105,11 +105,25 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class ExecutorConfig:
+    """Where the engine runs: `local` (this process) or `ray` (engine replicas on a Ray cluster, fed by Ray Data;
+    job/ray_executor.py). Results do not depend on it."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = None  # the Ray cluster; default: RAY_ADDRESS, else a local Ray started for the run
+    replicas: int = 1  # engine replicas (one per GPU on a GPU cluster)
+    gpus_per_replica: float = 1.0  # on a cluster with GPUs; ignored where the engine runs on CPUs
+    cpus_per_replica: int = 1  # CPU threads per replica (torch threads when it runs on CPUs)
+    batch_size: int | None = None  # rows per batch sent to a replica; default: input.sort_window (one sorted window)
+
+
+@dataclass(frozen=True)
 class JobConfig:
     input: InputConfig
     output: OutputConfig
     sampling: SamplingConfig
     engine: EngineArgs  # validated; holds the job's top-level model, dtype and device too (do not mutate)
+    executor: ExecutorConfig = ExecutorConfig()
 
     @property
     def model(self) -> str:
@@ -128,7 +142,8 @@ class JobConfig:
         engine = dataclasses.asdict(self.engine)
         top = {key: engine.pop(key) for key in TOP_LEVEL_KEYS}
         return plain({"input": dataclasses.asdict(self.input), "output": dataclasses.asdict(self.output), **top,
-                      "sampling": dataclasses.asdict(self.sampling), "engine": engine})
+                      "sampling": dataclasses.asdict(self.sampling), "engine": engine,
+                      "executor": dataclasses.asdict(self.executor)})
 
 
 # engine.sort is the deprecated spelling of input.sort.
@@ -143,6 +158,7 @@ JOB_KEYS = {
     "device": (Literal["auto", "cpu", "cuda"], False),
     "sampling": (SAMPLING_KEYS, False),
     "engine": (ENGINE_KEYS, False),
+    "executor": (ExecutorConfig, False),
 }
 
 
@@ -268,6 +284,7 @@ def _check(config: JobConfig) -> None:
     _validate(config.engine, "engine")
     _validate(config.sampling.params(), "sampling")
     _check_output(config.output)
+    _check_executor(config.executor)
     if config.output.parse_json and config.sampling.json_schema is None:
         raise JobConfigError("output.parse_json: needs sampling.json_schema (or sampling.json_schema_file): the "
                              "json column is typed from it")
@@ -361,6 +378,19 @@ def _sample_value(arrow_type: pa.DataType) -> Any:
         if is_type(arrow_type):
             return sample
     return None  # other types: a spec that does not suit a value fails that row
+
+
+def _check_executor(cfg: ExecutorConfig) -> None:
+    if cfg.replicas < 1:
+        raise JobConfigError("executor.replicas: must be at least 1")
+    if cfg.cpus_per_replica < 1:
+        raise JobConfigError("executor.cpus_per_replica: must be at least 1")
+    if cfg.gpus_per_replica < 0:
+        raise JobConfigError("executor.gpus_per_replica: must not be negative")
+    if cfg.batch_size is not None and cfg.batch_size < 1:
+        raise JobConfigError("executor.batch_size: must be at least 1")
+    if cfg.address is not None and not cfg.address.strip():
+        raise JobConfigError("executor.address: must not be empty (leave it out for RAY_ADDRESS or a local Ray)")
 
 
 def _check_output(cfg: OutputConfig) -> None:

@@ -53,6 +53,27 @@ def file_batches(path: Path, columns: list[str], batch_rows: int, expected_rows:
                              f"but its data holds {'more' if rows > expected_rows else rows}")
 
 
+def file_range(path: Path, columns: list[str], start: int, stop: int) -> Iterator[pa.RecordBatch]:
+    """Rows [start, stop) of the file (of those of `columns` it has), reading only the row groups that hold them.
+    The file was checked by the whole-file scan before the run; this reads it again, a window at a time."""
+    try:
+        parquet = open_parquet(path)
+        present = [column for column in columns if column in parquet.schema_arrow.names]
+        first = 0
+        for group in range(parquet.metadata.num_row_groups):
+            end = first + parquet.metadata.row_group(group).num_rows
+            if end > start and first < stop:
+                table = parquet.read_row_group(group, columns=present)
+                table = table.slice(max(start - first, 0), min(stop, end) - max(start, first))
+                yield from table.to_batches()
+            first = end
+            if first >= stop:
+                break
+    except (pa.ArrowException, OSError) as exc:
+        raise InputReadError(f"input.path: {path} is corrupt: reading rows {start}-{stop} failed "
+                             f"({first_line(exc)})") from None
+
+
 def scan_file(path: Path, columns: list[str], batch_rows: int, expected_rows: int) -> None:
     """Decode every value of `columns` once (memory: one record batch), so a corrupt file is refused before the
     model loads rather than in the middle of the run."""

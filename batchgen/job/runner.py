@@ -122,6 +122,7 @@ def inspect_job(config: JobConfig) -> PreparedJob:
     """The read-only checks that need no model (`batchgen plan` runs them too): input files and columns, model
     location, device and memory (the engine settings were validated with the job)."""
     inputs = inspect_input(config)
+    check_executor(config)
     model = check_model(config.model)
     check_device(config.device)
     check_kv_cache_memory(config.engine)
@@ -132,6 +133,16 @@ def check_chat_template(config: JobConfig, tokenizer) -> None:
     if config.input.chat_template and getattr(tokenizer, "chat_template", None) is None:
         raise JobConfigError(f"input.chat_template: model {config.model} has no chat template; "
                              f"set input.chat_template: false")
+
+
+def check_executor(config: JobConfig) -> None:
+    """executor.kind: ray needs Ray Data, an optional extra."""
+    if config.executor.kind == "ray":
+        try:
+            import ray.data  # noqa: F401
+        except ImportError:
+            raise JobConfigError("executor.kind: ray needs Ray, which is not installed: "
+                                 "pip install 'batchgen[ray]'") from None
 
 
 def check_model(ref: str) -> str:
@@ -252,35 +263,59 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
                             config.output.commit_interval_s, sort_by_row=config.output.order == "input",
                             json_type=job.options.json)
         engine_stats: dict = {}
+        replicas: dict | None = None
+
+        def notify(results: list[Result]) -> None:
+            progress.add(results)
+            if on_progress:
+                on_progress(progress)
+
         try:
             if progress.rows_done < progress.rows_total:
-                engine = load_engine(job)
-                progress.generation_started = time.monotonic()
-                if on_start:
-                    on_start(progress)
                 row_keys = [key for key in ROW_SAMPLING_KEYS if key in job.inputs.column_types]
                 if row_keys:  # a column named `n` or `choice` is easily someone's data: say what it does here
                     log.info("input columns that set sampling per row: %s", ", ".join(row_keys))
-                rows = read_source(config, job.inputs, engine.tokenizer, engine.max_model_len, done,
-                                   context_limit=context_limit(engine))
-
-                def notify(results: list[Result]) -> None:
-                    progress.add(results)
-                    if on_progress:
-                        on_progress(progress)
-
-                stream_rows(rows, engine.generate, writer, notify, json_schema=config.sampling.json_schema)
-                engine_stats = engine.stats()
+                if config.executor.kind == "ray":
+                    replicas = run_ray(job, writer, notify, progress, on_start)
+                else:
+                    engine = load_engine(job)
+                    progress.generation_started = time.monotonic()
+                    if on_start:
+                        on_start(progress)
+                    rows = read_source(config, job.inputs, engine.tokenizer, engine.max_model_len, done,
+                                       context_limit=context_limit(engine))
+                    stream_rows(rows, engine.generate, writer, notify, json_schema=config.sampling.json_schema)
+                    engine_stats = engine.stats()
         except BaseException:
             _commit_quietly(writer)
             raise
         writer.commit()
         check_input_unchanged(job)
-        summarize = lambda totals: build_summary(job, totals, progress, engine_stats, started_at)
+        summarize = lambda totals: build_summary(job, totals, progress, engine_stats, started_at, replicas)
         return finalize(out, final_part_schema(job.schema, fingerprint_text(job.fingerprint)), job.inputs.total_rows,
                         config.output.order, config.output.rows_per_part, summarize)
     finally:
         job.release()
+
+
+def run_ray(job: PreparedJob, writer: PartWriter, notify: Callable[[list[Result]], None], progress: Progress,
+            on_start: Callable[[Progress], None] | None) -> dict:
+    """The rows left on Ray replicas (ray_executor.py); the driver writes them. Returns the per-replica totals."""
+    from batchgen.models.loader import load_tokenizer, resolve_model
+
+    from .ray_executor import run_on_ray
+
+    config = job.config
+    check_chat_template(config, load_tokenizer(resolve_model(config.model)))
+    progress.generation_started = time.monotonic()
+    if on_start:
+        on_start(progress)
+
+    def write(row: int, ident: Any, keep: tuple, results: list[Result], parse_json: bool, replica: int) -> None:
+        writer.add(row, ident, keep, *results, parse_json=parse_json, replica=replica)
+        notify(results)
+
+    return run_on_ray(config, job.inputs, job.done, engine_args_for(config, job.done.count(0)), write)
 
 
 def check_input_unchanged(job: PreparedJob) -> None:
@@ -390,7 +425,7 @@ def memory_bound(engine_stats: dict) -> int | None:
 
 
 def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, engine_stats: dict,
-                  started_at: datetime) -> dict:
+                  started_at: datetime, replicas: dict | None = None) -> dict:
     import torch
 
     wall_s = progress.elapsed_s
@@ -428,4 +463,6 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, engin
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
+    if replicas is not None:  # a Ray run: what each replica did (its rows, tokens, wall time and engine)
+        summary["replicas"] = replicas
     return summary

@@ -37,6 +37,7 @@ class OutputOptions:
     choice: bool = False  # choice_probs: sampling.choice, or a `choice` input column
     logprobs: bool = False  # logprobs and top_logprobs: sampling.logprobs, or a `logprobs` input column
     json: JsonType | None = None  # the `json` column's type: output.parse_json, from sampling.json_schema
+    replica: bool = False  # replica: the run is a Ray run (executor.kind: ray)
 
     @classmethod
     def of(cls, config: JobConfig, input_columns: Container[str]) -> OutputOptions:
@@ -44,7 +45,8 @@ class OutputOptions:
         return cls(samples=sampling.n > 1 or "n" in input_columns,
                    choice=bool(sampling.choice) or "choice" in input_columns,
                    logprobs=sampling.logprobs is not None or "logprobs" in input_columns,
-                   json=schema_json_type(sampling.json_schema) if config.output.parse_json else None)
+                   json=schema_json_type(sampling.json_schema) if config.output.parse_json else None,
+                   replica=config.executor.kind == "ray")
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,9 @@ COLUMNS = (
     OutputColumn("json", JSON_TYPE, True, "the text parsed as JSON, typed from the schema; null for an error "
                  "row, and when the text was cut by `max_tokens`, is not JSON or does not fit the type (`error` says "
                  "which)", only=Condition(lambda o: o.json is not None, "with `output.parse_json`")),
+    OutputColumn("replica", pa.int32(), False, "the engine replica that generated the row, numbered as replicas "
+                 "started (a restarted one gets a new number)",
+                 only=Condition(lambda o: o.replica, "in Ray runs, `executor.kind: ray`")),
 )
 ID_COLUMN, RESULT_COLUMNS = COLUMNS[0], COLUMNS[1:]
 JSON_COLUMN = next(column for column in COLUMNS if column.name == "json")

@@ -220,12 +220,16 @@ class PartWriter:
         self.last_commit = clock()
         self.committed_rows = 0
 
-    def add(self, row: int, ident: Any, keep: tuple, *results: Result, parse_json: bool = True) -> None:
+    def add(self, row: int, ident: Any, keep: tuple, *results: Result, parse_json: bool = True,
+            replica: int | None = None) -> None:
         """One input row's output rows: its Result, or its n samples' (in sample order). parse_json=False: the
-        row's output follows another constraint than the job's schema (a per-row one), so its `json` is null."""
+        row's output follows another constraint than the job's schema (a per-row one), so its `json` is null.
+        replica: the Ray replica that generated it (the `replica` column of Ray runs)."""
         c = self.columns
         for result in results:
             derived = self.derive(result) if parse_json else {JSON_COLUMN.name: None} if self.json_type else {}
+            if replica is not None:
+                derived = {**derived, "replica": replica}
             c[ID_COLUMN.name].append(ident)
             for column in self.result_columns:
                 c[column.name].append(derived[column.name] if column.name in derived else column.value(result))

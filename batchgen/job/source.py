@@ -15,7 +15,7 @@ from batchgen.engine.request import CONSTRAINT_KEYS, SamplingParams
 
 from .config import ROW_INTEGER_KEYS, ROW_SAMPLING_KEYS, JobConfig
 from .inputs import InputFiles, read_columns, required_columns
-from .parquet_read import Unreadable, batch_values, file_batches
+from .parquet_read import Unreadable, batch_values, file_batches, file_range
 from .parquet_read import first_line as _first_line
 from .special_tokens import PromptEncoder, PromptText, SpecialTokenError
 
@@ -82,6 +82,27 @@ def read_batches(config: JobConfig, inputs: InputFiles,
             if rows:
                 yield rows
         first_row += count
+
+
+def read_window(config: JobConfig, inputs: InputFiles, builder: PromptBuilder, start: int, stop: int,
+                done: bytearray | None = None) -> list[SourceRow]:
+    """Input rows [start, stop) (positions across files), those in `done` left out, as SourceRows sorted as
+    `input.sort` says: one window of the Ray executor, read where it runs."""
+    columns = read_columns(config, inputs.column_types)
+    rows: list[SourceRow] = []
+    first_row = 0
+    for path, count in zip(inputs.files, inputs.row_counts):
+        if first_row < stop and first_row + count > start:
+            position = max(start, first_row)
+            for batch in file_range(path, columns, position - first_row, min(stop, first_row + count) - first_row):
+                values = batch_values(batch)
+                picked = [(position + i, {c: column[i] for c, column in values.items()})
+                          for i in range(batch.num_rows) if done is None or not done[position + i]]
+                position += batch.num_rows
+                if picked:
+                    rows += build_rows(config, builder, picked)
+        first_row += count
+    return list(sort_windows(rows, max(len(rows), 1), config.input.sort))
 
 
 def build_rows(config: JobConfig, builder: PromptBuilder,
