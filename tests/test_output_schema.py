@@ -53,7 +53,7 @@ def test_schema_follows_the_columns():
     schema = output_schema(pa.string(), [("tag", pa.int32())])
     assert schema.names == [c.name for c in ALWAYS] + ["tag"]
     assert set(OUTPUT_COLUMNS) - set(schema.names) == {"sample_index", "choice_probs", "logprobs", "top_logprobs",
-                                                       "json"}  # the conditional ones, not asked for
+                                                       "json", "replica"}  # the conditional ones, not asked for
     assert schema.field("id").type == pa.string()
     assert [schema.field(c.name).type for c in ALWAYS[1:]] == [c.type for c in ALWAYS[1:]]
     assert all(field.nullable for field in schema)  # `nullable` in the table is documentation only

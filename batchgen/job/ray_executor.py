@@ -88,17 +88,20 @@ class EngineReplica:
         import ray
         import torch
 
-        from batchgen.engine import Engine
-
         from .runner import context_limit
         from .source import PromptBuilder
 
         torch.set_num_threads(threads)
         self.config, self.inputs = config, inputs
-        self.engine = Engine(engine_args)
+        self.engine = self.make_engine(engine_args)
         self.builder = PromptBuilder(config, inputs, self.engine.tokenizer, self.engine.max_model_len,
                                      context_limit(self.engine))
         self.index = ray.get(counter.next.remote())
+
+    def make_engine(self, engine_args: Any) -> Any:
+        from batchgen.engine import Engine
+
+        return Engine(engine_args)
 
     def __call__(self, batch: dict) -> Iterator[dict]:
         from .runner import error_result
@@ -151,10 +154,12 @@ def connect(address: str | None) -> bool:
 
 
 def run_on_ray(config: JobConfig, inputs: Any, done: bytearray, engine_args: Any,
-               write: Callable[[int, Any, tuple, list[Result], bool, int], None]) -> dict:
+               write: Callable[[int, Any, tuple, list[Result], bool, int], None],
+               replica_class: type = EngineReplica) -> dict:
     """Generate every row not in `done` on `config.executor.replicas` replicas, calling write(row, id, kept values,
     results, parse_json, replica) once per row (a row a retried window returns again is dropped). Returns the per-replica
-    totals for _SUCCESS."""
+    totals for _SUCCESS. `replica_class`: an EngineReplica (scripts/driver_throughput.py passes one whose engine
+    answers instantly)."""
     import ray
     import ray.data
 
@@ -168,7 +173,7 @@ def run_on_ray(config: JobConfig, inputs: Any, done: bytearray, engine_args: Any
         counter = ray.remote(ReplicaIndex).options(num_cpus=0).remote()
         windows = plan_windows(done, window_size(config, done.count(0)))
         dataset = ray.data.from_items(windows, override_num_blocks=max(1, len(windows))).map_batches(
-            EngineReplica, batch_size=1, batch_format="numpy",
+            replica_class, batch_size=1, batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=executor.replicas),
             fn_constructor_kwargs={"config": config, "inputs": inputs, "engine_args": engine_args,
                                    "threads": executor.cpus_per_replica, "counter": counter},
