@@ -5,8 +5,8 @@
       └─► Ray Data map_batches(EngineReplica, one window per batch, `replicas` actors)
             each replica reads its window, builds and tokenizes the prompts, sorts them (its prefix cache hits as a
             local run's does) and streams them through its one Engine (the public request API: generate)
-      ◄── the driver iterates the results and writes them through PartWriter: the part files, the ledger, the final
-          rewrite and _SUCCESS are the local run's
+      ◄── the driver iterates the results and writes them through PartWriter: the part files, the ledger, the
+          final rewrite and _SUCCESS are the local run's
 
 Exactly once: a row is committed only by the driver, with all of its samples at once, and the ledger of committed
 rows is the resume point (a killed driver: the next run skips them). A replica that dies is restarted by Ray and its
@@ -81,8 +81,8 @@ class ReplicaIndex:
 
 class EngineReplica:
     """One Engine in a Ray actor. Each call gets one window of input positions and yields its rows' results as
-    they finish: (row, replica, pickled (id, kept values, results, whether output.parse_json applies)). Pickling keeps every Result field and the
-    input's own id and kept value types across Ray Data's Arrow blocks."""
+    they finish: (row, replica, pickled (id, kept values, results, whether output.parse_json applies)). Pickling
+    keeps every Result field and the input's own id and kept value types across Ray Data's Arrow blocks."""
 
     def __init__(self, config: JobConfig, inputs: Any, engine_args: Any, threads: int, counter: Any):
         import ray
@@ -108,9 +108,7 @@ class EngineReplica:
         from .source import read_window
 
         for start, stop, done in zip(batch["start"], batch["stop"], batch["done"]):
-            start, stop = int(start), int(stop)
-            ledger = bytearray(start) + bytearray(done)  # positions before the window are not read
-            rows = read_window(self.config, self.inputs, self.builder, start, stop, ledger)
+            rows = read_window(self.config, self.inputs, self.builder, int(start), int(stop), bytes(done))
             out: list[tuple[int, bytes]] = []
             kept = {row.row: row for row in rows}
             schema = self.config.sampling.json_schema
@@ -156,10 +154,10 @@ def connect(address: str | None) -> bool:
 def run_on_ray(config: JobConfig, inputs: Any, done: bytearray, engine_args: Any,
                write: Callable[[int, Any, tuple, list[Result], bool, int], None],
                replica_class: type = EngineReplica) -> dict:
-    """Generate every row not in `done` on `config.executor.replicas` replicas, calling write(row, id, kept values,
-    results, parse_json, replica) once per row (a row a retried window returns again is dropped). Returns the per-replica
-    totals for _SUCCESS. `replica_class`: an EngineReplica (scripts/driver_throughput.py passes one whose engine
-    answers instantly)."""
+    """Generate every row not in `done` on `config.executor.replicas` replicas, calling write(row, id, kept
+    values, results, parse_json, replica) once per row (a row a retried window returns again is dropped). Returns
+    the per-replica totals for _SUCCESS. `replica_class`: an EngineReplica (scripts/driver_throughput.py passes one
+    whose engine answers instantly)."""
     import ray
     import ray.data
 

@@ -85,9 +85,9 @@ def read_batches(config: JobConfig, inputs: InputFiles,
 
 
 def read_window(config: JobConfig, inputs: InputFiles, builder: PromptBuilder, start: int, stop: int,
-                done: bytearray | None = None) -> list[SourceRow]:
-    """Input rows [start, stop) (positions across files), those in `done` left out, as SourceRows sorted as
-    `input.sort` says: one window of the Ray executor, read where it runs."""
+                done: bytes | None = None) -> list[SourceRow]:
+    """Input rows [start, stop) (positions across files), those marked in `done` (done[i]: position start + i)
+    left out, as SourceRows sorted as `input.sort` says: one window of the Ray executor, read where it runs."""
     columns = read_columns(config, inputs.column_types)
     rows: list[SourceRow] = []
     first_row = 0
@@ -97,7 +97,7 @@ def read_window(config: JobConfig, inputs: InputFiles, builder: PromptBuilder, s
             for batch in file_range(path, columns, position - first_row, min(stop, first_row + count) - first_row):
                 values = batch_values(batch)
                 picked = [(position + i, {c: column[i] for c, column in values.items()})
-                          for i in range(batch.num_rows) if done is None or not done[position + i]]
+                          for i in range(batch.num_rows) if done is None or not done[position + i - start]]
                 position += batch.num_rows
                 if picked:
                     rows += build_rows(config, builder, picked)
