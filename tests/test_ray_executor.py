@@ -44,20 +44,25 @@ def read(out: Path) -> pl.DataFrame:
     return pl.read_parquet(f"{out}/*.parquet")
 
 
-def ray_processes(since: float) -> list[psutil.Process]:
-    """Ray's processes started since `since` (a run's local Ray: its head, its workers)."""
-    found = []
-    for process in psutil.process_iter(["cmdline", "create_time"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if process.info["create_time"] >= since - 1 and process.pid != os.getpid() and (
-                "ray::" in cmdline or "/ray/" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline):
-            found.append(process)
-    return found
+def session_processes(driver: int) -> list[psutil.Process]:
+    """The processes of the local Ray that the `batchgen run` with pid `driver` started (its head: gcs_server,
+    raylet, ...: their command lines name the session directory, which ends in the driver's pid) and all their
+    descendants (the workers, the replicas). Other Ray sessions on the machine are left alone."""
+    heads = [process for process in psutil.process_iter(["cmdline"])
+             if f"_{driver}/" in " ".join(process.info["cmdline"] or []).split("/ray/session_", 1)[-1]
+             and "/ray/session_" in " ".join(process.info["cmdline"] or [])]
+    found = {p.pid: p for p in heads}
+    for head in heads:
+        try:
+            found.update({child.pid: child for child in head.children(recursive=True)})
+        except psutil.Error:
+            pass
+    return list(found.values())
 
 
-def kill_ray_left_behind(since: float) -> None:
+def kill_ray_left_behind(driver: int) -> None:
     """A driver killed with SIGKILL leaves its local Ray running: stop it, as an operator would (`ray stop`)."""
-    for process in ray_processes(since):
+    for process in session_processes(driver):
         try:
             process.kill()
         except psutil.Error:
@@ -95,11 +100,10 @@ def test_ray_output_equals_the_local_executors(tmp_path, local):
 
 def test_a_replica_killed_mid_run_loses_and_repeats_nothing(tmp_path, local):
     job = write_job(tmp_path, "out", {"batch_size": 3}, rows_per_part=2)
-    started = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_parts(tmp_path / "out", 2, proc)
-    replicas = [p for p in ray_processes(started) if "EngineReplica" in " ".join(p.cmdline())]
+    replicas = [p for p in session_processes(proc.pid) if "EngineReplica" in " ".join(p.cmdline())]
     assert replicas, "no replica process found"
     replicas[0].send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=900)
@@ -112,7 +116,6 @@ def test_a_replica_killed_mid_run_loses_and_repeats_nothing(tmp_path, local):
 def test_a_driver_killed_mid_run_resumes_with_every_row_once(tmp_path, local):
     job = write_job(tmp_path, "out", {"batch_size": 3}, rows_per_part=2)
     out = tmp_path / "out"
-    started = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -120,7 +123,7 @@ def test_a_driver_killed_mid_run_resumes_with_every_row_once(tmp_path, local):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     finally:
-        kill_ray_left_behind(started)
+        kill_ray_left_behind(proc.pid)
     committed = pl.concat([pl.read_parquet(p) for p in out.glob("run-*.parquet")])
     assert 0 < committed.height < local.height and committed["_row"].is_unique().all()
     resumed = run_cli(job)

@@ -255,7 +255,7 @@ def result(i, finish="stop", prompt=4, output=3, cached=0, t0=1_700_000_000.0):
 
 
 SCHEMA = output_schema(pa.string(), [("tag", pa.int32())])
-CONDITIONAL = ("sample_index", "choice_probs", "logprobs", "top_logprobs", "json")  # not asked for by SCHEMA's job
+CONDITIONAL = ("sample_index", "choice_probs", "logprobs", "top_logprobs", "json", "replica")  # not asked for by SCHEMA's job
 
 
 def test_output_schema_follows_the_contract():

@@ -104,7 +104,7 @@ class EngineReplica:
         return Engine(engine_args)
 
     def __call__(self, batch: dict) -> Iterator[dict]:
-        from .runner import error_result
+        from .runner import error_result, result_groups
         from .source import read_window
 
         for start, stop, done in zip(batch["start"], batch["stop"], batch["done"]):
@@ -116,15 +116,8 @@ class EngineReplica:
                 if row.error is not None:
                     out.append((row.row, pickle.dumps((row.id, row.keep, [error_result(row)], True))))
             requests = [Request(row.row, row.token_ids, row.sampling) for row in rows if row.error is None]
-            arrived: dict[int, list[Result]] = {}
-            for result in self.engine.generate(requests):
-                group = arrived.setdefault(result.request_id, [])
-                group.append(result)
-                row = kept[result.request_id]
-                if len(group) < row.sampling.n and result.finish_reason != "error":
-                    continue
-                del arrived[result.request_id]
-                results = sorted(group, key=lambda r: r.sample_index)
+            for results in result_groups(self.engine.generate(requests), lambda row: kept[row].sampling.n):
+                row = kept[results[0].request_id]
                 out.append((row.row, pickle.dumps((row.id, row.keep, results, row.sampling.json_schema == schema))))
                 if len(out) >= 64:
                     yield self._batch(out)

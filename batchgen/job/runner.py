@@ -378,7 +378,6 @@ def stream_rows(rows: Iterable[SourceRow], generate: Callable[[Iterator[Request]
     samples. Only the requests inside the engine are remembered. `json_schema`: the job's, with output.parse_json
     (rows under another constraint are not parsed)."""
     in_engine: dict[int, tuple[Any, tuple, SamplingParams]] = {}  # row -> (id, kept values, sampling)
-    arrived: dict[int, list[Result]] = {}  # row -> its samples so far
 
     def requests() -> Iterator[Request]:
         for row in rows:
@@ -390,21 +389,28 @@ def stream_rows(rows: Iterable[SourceRow], generate: Callable[[Iterator[Request]
             in_engine[row.row] = (row.id, row.keep, row.sampling)
             yield Request(row.row, row.token_ids, row.sampling)
 
-    for result in generate(requests()):
-        row = result.request_id
-        ident, keep, sampling = in_engine[row]
-        group = arrived.setdefault(row, [])
-        group.append(result)
-        if len(group) < sampling.n and result.finish_reason != "error":
-            continue
-        del in_engine[row], arrived[row]
-        group.sort(key=lambda sample: sample.sample_index)
-        writer.add(row, ident, keep, *group, parse_json=sampling.json_schema == json_schema)
+    for group in result_groups(generate(requests()), lambda row: in_engine[row][2].n):
+        ident, keep, sampling = in_engine.pop(group[0].request_id)
+        writer.add(group[0].request_id, ident, keep, *group, parse_json=sampling.json_schema == json_schema)
         on_row(group)
+
+
+def result_groups(results: Iterable[Result], samples: Callable[[Any], int]) -> Iterator[list[Result]]:
+    """Each request's results together, in sample order, once all `samples(request_id)` of them arrived (or its one
+    error result): the engine returns a request's samples in one step, but a caller must not rely on how its
+    results are cut into steps."""
+    arrived: dict[Any, list[Result]] = {}
+    for result in results:
+        group = arrived.setdefault(result.request_id, [])
+        group.append(result)
+        if len(group) < samples(result.request_id) and result.finish_reason != "error":
+            continue
+        del arrived[result.request_id]
+        yield sorted(group, key=lambda sample: sample.sample_index)
     if arrived:
-        row, group = next(iter(arrived.items()))
-        raise RuntimeError(f"internal error: the engine returned {len(group)} of the {in_engine[row][2].n} samples "
-                           f"of row {row}")
+        request_id, group = next(iter(arrived.items()))
+        raise RuntimeError(f"internal error: the engine returned {len(group)} of the {samples(request_id)} samples "
+                           f"of row {request_id}")
 
 
 def error_result(row: SourceRow) -> Result:
