@@ -87,7 +87,7 @@ def test_plan_prints_every_section_and_writes_nothing(tiny_job):
     examples = [line for line in lines if line.startswith("  row ")]
     assert len(examples) == 3 and "leaks after 0 weeks." in examples[0] and "<|im_start|>assistant" in examples[0]
     assert "the first 6 of 6 rows (--sample-rows): 6 to generate, 0 row errors" in result.output
-    assert "output tokens: at most 48 (sum of max_tokens)" in result.output
+    assert "output tokens: at most 48 (n x max_tokens a row; a choice row: its candidates' tokens)" in result.output
     assert "no record for this model/device" in result.output  # no bench record names this model
     assert f"{out}: nothing yet: run starts with row 0" in result.output
     assert tree(out) == before and not out.exists()
@@ -322,3 +322,17 @@ def test_complete_and_changed_job_on_a_real_output(default_run):
     overwrite = plan_cli(job, "--set", "sampling.max_tokens=5", "--overwrite")
     assert overwrite.exit_code == 0 and "--overwrite: run discards what this output holds" in overwrite.output
     assert tree(out) == before
+
+
+def test_output_bound_counts_samples_and_choice_candidates(tiny_job, tiny_chat_model):
+    """n samples generate n x max_tokens a row; a choice row computes its candidates' tokens and their ends."""
+    from batchgen.models.loader import load_tokenizer
+
+    plain = make_plan(load_job(tiny_job))
+    samples = make_plan(load_job(tiny_job, ["sampling.n=4"]))
+    assert samples.tokens.output_bound == 4 * plain.tokens.output_bound
+    labels = ["alpha", "beta", "gamma"]
+    choice = make_plan(load_job(tiny_job, [f"sampling.choice=[{', '.join(labels)}]"]))
+    tokenizer = load_tokenizer(tiny_chat_model)
+    per_row = sum(len(tokenizer.encode(label, add_special_tokens=False)) + 1 for label in labels)
+    assert choice.tokens.output_bound == per_row * (len(choice.tokens.prompt))

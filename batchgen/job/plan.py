@@ -37,8 +37,8 @@ class TokenStats:
     sampled: int
     errors: list[SourceRow]
     prompt: list[int]  # prompt tokens of the rows that would be generated, sorted
-    with_output: list[int]  # prompt + max_tokens of those rows, sorted
-    output_bound: int  # sum of their max_tokens
+    with_output: list[int]  # each of those rows' prompt + its output bound (its samples share the prompt), sorted
+    output_bound: int  # the most tokens they generate: n x max_tokens a row; a `choice` row's candidates scored
     shared: int  # prompt tokens in full blocks an earlier row shares (what the prefix cache can serve)
     examples: list[tuple[SourceRow, str]]  # the first rows in input order, with their prompt text
 
@@ -219,13 +219,22 @@ def sample_tokens(config: JobConfig, inputs: InputFiles, tokenizer, context: int
     ok = [row for row in rows if row.error is None]
     firsts = sorted(ok, key=lambda row: row.row)[:3]
     examples = [(row, tokenizer.decode(row.token_ids, skip_special_tokens=False)) for row in firsts]
+    outputs = [output_tokens_bound(row.sampling, tokenizer) for row in ok]
     return TokenStats(
         sampled=sampled, errors=sorted((row for row in rows if row.error is not None), key=lambda row: row.row),
         prompt=sorted(len(row.token_ids) for row in ok),
-        with_output=sorted(len(row.token_ids) + row.sampling.max_tokens for row in ok),
-        output_bound=sum(row.sampling.max_tokens for row in ok),
+        with_output=sorted(len(row.token_ids) + output for row, output in zip(ok, outputs)),
+        output_bound=sum(outputs),
         shared=shared_prefix_tokens([row.token_ids for row in ok], config.engine.block_size),
         examples=examples)
+
+
+def output_tokens_bound(sampling, tokenizer) -> int:
+    """The most tokens one row generates: each of its n samples up to max_tokens; a `choice` row scores its
+    candidates instead (each one's tokens and the end: what its SCORE sequences compute after the prompt)."""
+    if sampling.choice:
+        return sum(len(tokenizer.encode(text, add_special_tokens=False)) + 1 for text in sampling.choice)
+    return sampling.n * sampling.max_tokens
 
 
 def shared_prefix_tokens(prompts: list[list[int]], block_size: int) -> int:

@@ -69,7 +69,7 @@ def _tokens(plan: Plan) -> list[str]:
             f"max {t.prompt[-1] if n else 0:,} ({sum(t.prompt):,} in the sample)",
             f"shared prefix: {share:.1%} of prompt tokens lie in full {plan.config.engine.block_size}-token blocks "
             f"that an earlier row shares after the {plan.config.input.sort} sort{cache}",
-            f"output tokens: at most {t.output_bound:,} (sum of max_tokens)"
+            f"output tokens: at most {t.output_bound:,} (n x max_tokens a row; a choice row: its candidates' tokens)"
             + (f"; ~{t.output_bound * total / t.sampled:,.0f} for all {total:,} rows" if t.sampled < total else "")]
 
 
