@@ -4,7 +4,6 @@ every row exactly once; row errors and job errors behave as in local runs."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
