@@ -53,6 +53,19 @@ def test_decode_matches_reference(dtype, block_size, group, head_dim):
     assert_close(got, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 72, 96, 256])
+def test_every_head_dim_path(dtype, head_dim):
+    """The kernel's paths by head_dim: vector code for multiples of 16 (bf16 dot products on an even count of
+    16-float chunks where the CPU has them, widened bf16 otherwise), a plain loop for the rest (72) and for fp16
+    caches; query heads in value micro-kernels of up to 4 rows (group 5 = 4 + 1, or 2 + 2 + 1 at larger dims)."""
+    q, k_cache, v_cache, md = make_case([1] * 4, [1, 15, 17, 130], block_size=16, num_kv_heads=2, group=5,
+                                        head_dim=head_dim, dtype=dtype, seed=head_dim)
+    got, expected = decode_both(q, k_cache, v_cache, md, head_dim ** -0.5)
+    assert got.dtype == dtype
+    assert_close(got, expected)
+
+
 def test_head_dim_128_with_one_kv_head_and_large_scores():
     # A large scale makes the softmax peaky: the running max must move many times without losing precision.
     q, k_cache, v_cache, md = make_case([1, 1], [40, 500], block_size=32, num_kv_heads=1, group=8, head_dim=128)

@@ -1,9 +1,15 @@
 // Paged-attention decode on the CPU that reads each sequence's K/V in place, once.
 //
-// One work item per (sequence, kv head): walk the sequence's blocks through its block table, keep an online softmax
-// (running max and sum, fp32 accumulators) for the `group` query heads that share the kv head, so each K and V row is
-// loaded once and used by all of them. Only positions < seq_len are read: slots past a sequence's end may hold
-// anything (NaN included). Registered as torch.ops.batchgen.paged_decode (its fake implementation is in Python).
+// One work item per (sequence, kv head), handed out to the threads longest first: walk the sequence's blocks
+// through its block table 16 keys at a time (a tile never crosses a block), keeping an online softmax (running max
+// and sum, fp32) for the `group` query heads that share the kv head, so each K and V row is loaded once and used by
+// all of them. A tile's 16 scores per query head come out as one vector: each key's products with the query are
+// summed into a vector of partial sums, and the tile's 16 such vectors are reduced together by a transposing tree
+// (vec16.h) rather than by one horizontal sum per key. With a bf16 cache and query on a CPU with AVX512_BF16, the
+// products are bf16 dot products (vdpbf16ps: exact products, fp32 sums); V rows are widened to fp32 by a shift.
+// Only positions < seq_len are read: slots past a sequence's end may hold anything (NaN included). Head dims that
+// are not a multiple of 16 (or over 256) and fp16 caches take a plain per-key loop instead.
+// Registered as torch.ops.batchgen.paged_decode (its fake implementation is in Python).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,7 +17,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "fast_exp.h"
+#include "vec16.h"
+
+#include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -23,195 +32,280 @@
 
 namespace {
 
-constexpr int64_t kTile = 32;  // tokens scored together before one softmax update (fewer rescales of the accumulators)
+constexpr int64_t kTile = 16;  // keys per tile: one vector of scores per query head
 
 template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+inline float as_float(T x) {
+  return static_cast<float>(x);
 }
 
 template <>
-inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
-  // bf16 is the top half of an fp32: a shift, which vectorizes (the generic conversion may not).
-  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
-    std::memcpy(dst + i, &bits, sizeof(float));
-  }
-}
-
-// Sixteen floats as one value (GCC/Clang vector extension): one zmm register with AVX-512, two ymm with AVX2.
-typedef float Vec16 __attribute__((vector_size(64)));
-typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec4 __attribute__((vector_size(16)));
-
-inline Vec16 load16(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// Halving the vector three times, then four scalars: a short tree rather than a chain of 15 dependent adds.
-inline float sum_lanes(Vec16 v) {
-  const Vec8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Vec4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec16 even = {}, odd = {};  // two accumulators: half the dependent chain of fused multiply-adds
-  int64_t d = 0;
-  for (; d + 32 <= n; d += 32) {
-    even += load16(a + d) * load16(b + d);
-    odd += load16(a + d + 16) * load16(b + d + 16);
-  }
-  if (d + 16 <= n) {
-    even += load16(a + d) * load16(b + d);
-    d += 16;
-  }
-  float tail = 0.0f;
-  for (; d < n; ++d) tail += a[d] * b[d];
-  return sum_lanes(even + odd) + tail;
-}
-
-// acc[offset : offset + 16 * C] += sum over the tile's rows t of weights[t] * rows[t][same range], with the
-// accumulator slice held in registers across the whole tile (rather than loaded and stored once per row).
-template <int C>
-inline void accumulate(float* acc, const float* weights, const float* const* rows, int64_t n, int64_t offset) {
-  Vec16 sums[C];
-  for (int c = 0; c < C; ++c) sums[c] = load16(acc + offset + 16 * c);
-  for (int64_t t = 0; t < n; ++t) {
-    const float w = weights[t];
-    for (int c = 0; c < C; ++c) sums[c] += w * load16(rows[t] + offset + 16 * c);
-  }
-  for (int c = 0; c < C; ++c) std::memcpy(acc + offset + 16 * c, &sums[c], sizeof(Vec16));
-}
-
-// acc[0:dim] += sum over t < n of weights[t] * rows[t][0:dim]: four 16-float slices at a time, then single ones,
-// then the scalar tail of a head_dim that is not a multiple of 16.
-inline void accumulate_tile(float* acc, const float* weights, const float* const* rows, int64_t n, int64_t dim) {
-  int64_t d = 0;
-  for (; d + 64 <= dim; d += 64) accumulate<4>(acc, weights, rows, n, d);
-  for (; d + 16 <= dim; d += 16) accumulate<1>(acc, weights, rows, n, d);
-  for (; d < dim; ++d)
-    for (int64_t t = 0; t < n; ++t) acc[d] += weights[t] * rows[t][d];
+inline float as_float<c10::BFloat16>(c10::BFloat16 x) {  // the top half of an fp32: a shift
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 // Start loading a row of the next tile: the blocks of a sequence lie anywhere in the cache, so the hardware
-// prefetchers cannot guess where the next one starts (measured: 2x on contexts far larger than the caches).
-// One row requested per row computed spreads the requests out; into L2 (locality 2), a little faster than L1.
-template <typename KV>
-inline void prefetch_row(const KV* row, int64_t row_bytes) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(bytes + offset, 0, 2);
+// prefetchers cannot guess where the next one starts (measured: 2x on contexts far larger than the caches; still
+// ~10% where the blocks are consecutive). One row requested per row computed spreads the requests out; into L2.
+template <int64_t kBytes>
+inline void prefetch_lines(const void* row) {
+  const char* bytes = static_cast<const char*>(row);
+  for (int64_t offset = 0; offset < kBytes; offset += 64) __builtin_prefetch(bytes + offset, 0, 2);
 }
 
-// q: [B, Hq, D] (any strides but the last); out: [B, Hq, D] contiguous; caches contiguous [N, bs, Hkv, D].
-template <typename KV>
-void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-            const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t batch = q.size(0), q_heads = q.size(1), dim = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = q_heads / kv_heads;
-  const int64_t table_width = block_tables.size(1), table_stride = block_tables.stride(0);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const KV* k_base = static_cast<const KV*>(k_cache.data_ptr());
-  const KV* v_base = static_cast<const KV*>(v_cache.data_ptr());
-  const int64_t row_stride = kv_heads * dim;  // between consecutive tokens of one block, for one head
-  const at::ScalarType q_type = q.scalar_type();
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(KV));
+// The call's inputs, shared by every work item. q: [B, Hq, D] (any strides but the last); out: [B, Hq, D]
+// contiguous, q's dtype; caches contiguous [N, bs, Hkv, D].
+struct Decode {
+  const char* q;
+  int64_t q_stride0, q_stride1;  // in elements
+  at::ScalarType q_type;
+  const void *k_base, *v_base;
+  int64_t block_size, kv_heads, dim, group;
+  const int32_t *tables, *lens;
+  int64_t table_stride;
+  float scale;
+  void* out;
 
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), kf(dim), vf(kTile * dim), scores(group * kTile),
-        run_max(group), run_sum(group);
-    const float* v_rows[kTile];  // the tile's V rows as fp32: in the cache itself, or converted into vf
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / kv_heads, head = item % kv_heads;
-      const int64_t len = lens[seq];
-      TORCH_CHECK(len >= 0 && len <= table_width * block_size, "paged_decode: seq_lens[", seq, "] = ", len,
-                  " does not fit the block table's ", table_width, " blocks of ", block_size);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = head * group + g;
-        float* dst = qf.data() + g * dim;
-        const void* src = static_cast<const char*>(q.data_ptr()) +
-                          (seq * q.stride(0) + h * q.stride(1)) * q.element_size();
-        if (q_type == at::kFloat) to_float(static_cast<const float*>(src), dst, dim);
-        else if (q_type == at::kBFloat16) to_float(static_cast<const c10::BFloat16*>(src), dst, dim);
-        else to_float(static_cast<const c10::Half*>(src), dst, dim);
-        for (int64_t d = 0; d < dim; ++d) dst[d] *= static_cast<float>(scale);
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(run_sum.begin(), run_sum.end(), 0.0f);
+  int64_t row(int64_t seq, int64_t head, int64_t pos) const {  // element offset of (pos, head) in either cache
+    const int64_t block = tables[seq * table_stride + pos / block_size];
+    return ((block * block_size + pos % block_size) * kv_heads + head) * dim;
+  }
 
-      for (int64_t start = 0, n = 0; start < len; start += n) {
-        n = std::min({kTile, len - start, block_size - start % block_size});  // a tile never crosses a block
-        const int64_t block = tables[seq * table_stride + start / block_size];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode: block id ", block, " out of range");
-        const int64_t first = (block * block_size + start % block_size) * row_stride + head * dim;
-        const int64_t next = start + n;
-        const int64_t next_n = next < len ? std::min({kTile, len - next, block_size - next % block_size}) : 0;
-        const int64_t next_first =
-            next_n ? (tables[seq * table_stride + next / block_size] * block_size + next % block_size) * row_stride +
-                         head * dim
-                   : 0;
-        for (int64_t t = 0; t < n; ++t) {
-          if (t < next_n) prefetch_row(k_base + next_first + t * row_stride, row_bytes);
-          const float* k_row;
-          if constexpr (std::is_same_v<KV, float>) {
-            k_row = k_base + first + t * row_stride;
-          } else {
-            to_float(k_base + first + t * row_stride, kf.data(), dim);
-            k_row = kf.data();
-          }
-          for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot(qf.data() + g * dim, k_row, dim);
-        }
+  // Keys of a tile starting at `start`: up to kTile, never past the context or the block's end.
+  int64_t tile_len(int64_t start, int64_t len) const {
+    return std::min({kTile, len - start, block_size - start % block_size});
+  }
+
+  const void* q_row(int64_t seq, int64_t h) const {
+    return q + (seq * q_stride0 + h * q_stride1) * c10::elementSize(q_type);
+  }
+
+  float q_at(const void* row, int64_t d) const {
+    if (q_type == at::kFloat) return static_cast<const float*>(row)[d];
+    if (q_type == at::kBFloat16) return as_float(static_cast<const c10::BFloat16*>(row)[d]);
+    return as_float(static_cast<const c10::Half*>(row)[d]);
+  }
+
+  void write_out(int64_t seq, int64_t h, const float* acc, float inv) const {
+    const int64_t offset = (seq * kv_heads * group + h) * dim;
+    if (q_type == at::kFloat) {
+      float* o = static_cast<float*>(out) + offset;
+      for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] * inv;
+    } else if (q_type == at::kBFloat16) {
+      c10::BFloat16* o = static_cast<c10::BFloat16*>(out) + offset;
+      for (int64_t d = 0; d < dim; ++d) o[d] = c10::BFloat16(acc[d] * inv);
+    } else {
+      c10::Half* o = static_cast<c10::Half*>(out) + offset;
+      for (int64_t d = 0; d < dim; ++d) o[d] = c10::Half(acc[d] * inv);
+    }
+  }
+};
+
+struct Scratch {  // one per thread, for the item it is on; a row per query head of the kv head
+  std::vector<float> q, acc, probs, k, run_max, run_sum, correction;
+  std::vector<uint16_t> q_bf16;
+  std::vector<Vec16> partial;  // [group][kTile]: each key's products with a query head, not yet summed
+  Scratch(int64_t group, int64_t dim)
+      : q(group * dim), acc(group * dim), probs(group * kTile), k(dim), run_max(group), run_sum(group),
+        correction(group), q_bf16(group * dim), partial(group * kTile) {}
+};
+
+// Query rows per value micro-kernel call: R x C accumulators and C value vectors within the 32 registers.
+template <int C>
+constexpr int kValueRows = C <= 4 ? 4 : (C <= 5 ? 3 : (C <= 8 ? 2 : 1));
+
+template <typename KV, int C>
+inline Vec16 value_chunk(const KV* row, int c) {
+  if constexpr (std::is_same_v<KV, float>) return load16(row + 16 * c);
+  else return widen_bf16(row + 16 * c);
+}
+
+// R query rows' accumulators (acc[r][0:16 C], rows dim apart) = acc * correction[r] + sum over the tile's n keys of
+// p[r][t] x V row t (values + t * row_stride; bf16 widened as loaded), held in registers for the whole tile.
+// Kept out of line: inlined into the item loop it shares that loop's registers and spills.
+template <typename KV, int R, int C>
+__attribute__((noinline)) void accumulate_rows(float* acc, const float* p, const float* correction, const KV* values,
+                                               int64_t row_stride, int64_t n) {
+  constexpr int64_t dim = 16 * C;
+  Vec16 sums[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r][c] = load16(acc + r * dim + 16 * c) * correction[r];
+  for (int64_t t = 0; t < n; ++t) {
+    const KV* row = values + t * row_stride;
+    Vec16 v[C];
+    for (int c = 0; c < C; ++c) {
+      v[c] = value_chunk<KV, C>(row, c);
+      keep_in_register(v[c]);  // loaded once for the R rows, not folded into each of their multiply-adds
+    }
+    for (int r = 0; r < R; ++r) {
+      const float w = p[r * kTile + t];
+      for (int c = 0; c < C; ++c) sums[r][c] += w * v[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store16(acc + r * dim + 16 * c, sums[r][c]);
+}
+
+// The vector path for a head_dim of 16 C: kv head `head` of sequence `seq`, query row g = its g-th query head.
+// kDot: bf16 query and cache multiplied by vdpbf16ps; otherwise keys are read (fp32 cache) or widened (bf16 cache)
+// as fp32 and multiplied by the query in fp32, pre-scaled.
+template <typename KV, int C, bool kDot>
+void attend(const Decode& d, int64_t seq, int64_t head, Scratch& s) {
+  constexpr int64_t dim = 16 * C;
+  constexpr int64_t row_bytes = dim * static_cast<int64_t>(sizeof(KV));
+  const int64_t group = d.group, len = d.lens[seq], row_stride = d.kv_heads * dim;
+  const KV* k_base = static_cast<const KV*>(d.k_base);
+  const KV* v_base = static_cast<const KV*>(d.v_base);
+  for (int64_t g = 0; g < group; ++g) {
+    const void* src = d.q_row(seq, head * group + g);
+    if constexpr (kDot) std::memcpy(s.q_bf16.data() + g * dim, src, dim * sizeof(uint16_t));
+    else
+      for (int64_t i = 0; i < dim; ++i) s.q[g * dim + i] = d.q_at(src, i) * d.scale;
+  }
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  std::fill(s.run_max.begin(), s.run_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.run_sum.begin(), s.run_sum.end(), 0.0f);
+  const Vec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Vec16 minus_inf = Vec16{} - std::numeric_limits<float>::infinity();
+
+  int64_t first = len ? d.row(seq, head, 0) : 0;
+  for (int64_t start = 0, n = 0; start < len; start += n) {
+    n = d.tile_len(start, len);
+    const int64_t next = start + n, next_n = next < len ? d.tile_len(next, len) : 0;
+    const int64_t next_first = next_n ? d.row(seq, head, next) : 0;
+
+    // Scores: partial[g][t] = the products of query head g with key t, as 16 lanes still to be summed.
+    for (int64_t t = 0; t < n; ++t) {
+      if (t < next_n) prefetch_lines<row_bytes>(k_base + next_first + t * row_stride);
+      const KV* key = k_base + first + t * row_stride;
+#if defined(__AVX512BF16__)
+      if constexpr (kDot) {
+        __m512i k[C / 2];
+        for (int c = 0; c < C / 2; ++c) k[c] = _mm512_loadu_si512(key + 32 * c);
         for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * kTile;
-          float tile_max = run_max[g];
-          for (int64_t t = 0; t < n; ++t) tile_max = std::max(tile_max, s[t]);
-          const float correction = fast_exp(run_max[g] - tile_max);
-          for (int64_t t = 0; t < n; ++t) s[t] = fast_exp(s[t] - tile_max);
-          float sum = 0.0f;
-          for (int64_t t = 0; t < n; ++t) sum += s[t];
-          run_sum[g] = run_sum[g] * correction + sum;
-          run_max[g] = tile_max;
-          if (correction != 1.0f)
-            for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] *= correction;
+          const uint16_t* q = s.q_bf16.data() + g * dim;
+          __m512 sum = _mm512_setzero_ps();
+          for (int c = 0; c < C / 2; ++c)
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + 32 * c), (__m512bh)k[c]);
+          s.partial[g * kTile + t] = (Vec16)sum;
         }
-        for (int64_t t = 0; t < n; ++t) {
-          if (t < next_n) prefetch_row(v_base + next_first + t * row_stride, row_bytes);
-          if constexpr (std::is_same_v<KV, float>) {
-            v_rows[t] = v_base + first + t * row_stride;
-          } else {
-            to_float(v_base + first + t * row_stride, vf.data() + t * dim, dim);
-            v_rows[t] = vf.data() + t * dim;
-          }
-        }
-        for (int64_t g = 0; g < group; ++g)
-          accumulate_tile(acc.data() + g * dim, scores.data() + g * kTile, v_rows, n, dim);
       }
-
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = head * group + g;
-        const float inv = run_sum[g] > 0.0f ? 1.0f / run_sum[g] : 0.0f;  // an empty context gives zeros
-        const float* a = acc.data() + g * dim;
-        const int64_t offset = (seq * q_heads + h) * dim;
-        if (q_type == at::kFloat) {
-          float* o = out.data_ptr<float>() + offset;
-          for (int64_t d = 0; d < dim; ++d) o[d] = a[d] * inv;
-        } else if (q_type == at::kBFloat16) {
-          c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + offset;
-          for (int64_t d = 0; d < dim; ++d) o[d] = c10::BFloat16(a[d] * inv);
-        } else {
-          c10::Half* o = out.data_ptr<c10::Half>() + offset;
-          for (int64_t d = 0; d < dim; ++d) o[d] = c10::Half(a[d] * inv);
+#endif
+      if constexpr (!kDot) {
+        Vec16 k[C];
+        for (int c = 0; c < C; ++c) k[c] = value_chunk<KV, C>(key, c);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* q = s.q.data() + g * dim;
+          Vec16 sum = load16(q) * k[0];
+          for (int c = 1; c < C; ++c) sum += load16(q + 16 * c) * k[c];
+          s.partial[g * kTile + t] = sum;
         }
       }
     }
-  });
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t t = n; t < kTile; ++t) s.partial[g * kTile + t] = Vec16{};
+
+    // Online softmax over the tile, per query head.
+    for (int64_t g = 0; g < group; ++g) {
+      Vec16 x = sum_lanes_each(s.partial.data() + g * kTile);
+      if constexpr (kDot) x *= d.scale;
+      if (n < kTile) x = lane < static_cast<float>(n) ? x : minus_inf;
+      const float tile_max = std::max(s.run_max[g], max_lanes(x));
+      Vec16 p = exp16(x - tile_max);
+      if (n < kTile) p = lane < static_cast<float>(n) ? p : Vec16{};
+      s.correction[g] = fast_exp(s.run_max[g] - tile_max);
+      s.run_sum[g] = s.run_sum[g] * s.correction[g] + sum_lanes(p);
+      s.run_max[g] = tile_max;
+      store16(s.probs.data() + g * kTile, p);
+    }
+
+    // Values: acc[g] = acc[g] * correction[g] + sum over t of p[g][t] v[t], a few query heads at a time.
+    for (int64_t t = 0; t < std::min(n, next_n); ++t) prefetch_lines<row_bytes>(v_base + next_first + t * row_stride);
+    for (int64_t g = 0; g < group;) {
+      const int64_t r = std::min<int64_t>(kValueRows<C>, group - g);
+      float* acc = s.acc.data() + g * dim;
+      const float* p = s.probs.data() + g * kTile;
+      const float* correction = s.correction.data() + g;
+      const KV* values = v_base + first;
+      if (r == 4) accumulate_rows<KV, std::min(4, kValueRows<C>), C>(acc, p, correction, values, row_stride, n);
+      else if (r == 3) accumulate_rows<KV, std::min(3, kValueRows<C>), C>(acc, p, correction, values, row_stride, n);
+      else if (r == 2) accumulate_rows<KV, std::min(2, kValueRows<C>), C>(acc, p, correction, values, row_stride, n);
+      else accumulate_rows<KV, 1, C>(acc, p, correction, values, row_stride, n);
+      g += r;
+    }
+    first = next_first;
+  }
+
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = s.run_sum[g] > 0.0f ? 1.0f / s.run_sum[g] : 0.0f;  // an empty context gives zeros
+    d.write_out(seq, head * group + g, s.acc.data() + g * dim, inv);
+  }
+}
+
+// Any head_dim and cache dtype, one key at a time: scores by per-key dot products, rows converted one by one.
+template <typename KV>
+void attend_plain(const Decode& d, int64_t seq, int64_t head, Scratch& s) {
+  const int64_t group = d.group, dim = d.dim, len = d.lens[seq];
+  const KV* k_base = static_cast<const KV*>(d.k_base);
+  const KV* v_base = static_cast<const KV*>(d.v_base);
+  float* k = s.k.data();
+  for (int64_t g = 0; g < group; ++g) {
+    const void* src = d.q_row(seq, head * group + g);
+    for (int64_t i = 0; i < dim; ++i) s.q[g * dim + i] = d.q_at(src, i) * d.scale;
+  }
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  for (int64_t g = 0; g < group; ++g) {
+    float run_max = -std::numeric_limits<float>::infinity(), run_sum = 0.0f;
+    float* acc = s.acc.data() + g * dim;
+    const float* q = s.q.data() + g * dim;
+    for (int64_t pos = 0; pos < len; ++pos) {
+      const int64_t row = d.row(seq, head, pos);
+      for (int64_t i = 0; i < dim; ++i) k[i] = as_float(k_base[row + i]);
+      float score = 0.0f;
+      for (int64_t i = 0; i < dim; ++i) score += q[i] * k[i];
+      const float high = std::max(run_max, score);
+      const float correction = fast_exp(run_max - high), p = fast_exp(score - high);
+      run_sum = run_sum * correction + p;
+      run_max = high;
+      for (int64_t i = 0; i < dim; ++i) acc[i] = acc[i] * correction + p * as_float(v_base[row + i]);
+    }
+    d.write_out(seq, head * group + g, acc, run_sum > 0.0f ? 1.0f / run_sum : 0.0f);
+  }
+}
+
+typedef void (*AttendFn)(const Decode&, int64_t seq, int64_t head, Scratch&);
+
+template <typename KV, bool kDot>
+AttendFn vector_path(int64_t chunks) {
+  switch (chunks) {
+    case 1: return kDot ? nullptr : &attend<KV, 1, false>;
+    case 2: return &attend<KV, 2, kDot>;
+    case 3: return kDot ? nullptr : &attend<KV, 3, false>;
+    case 4: return &attend<KV, 4, kDot>;
+    case 5: return kDot ? nullptr : &attend<KV, 5, false>;
+    case 6: return &attend<KV, 6, kDot>;
+    case 7: return kDot ? nullptr : &attend<KV, 7, false>;
+    case 8: return &attend<KV, 8, kDot>;
+    case 16: return &attend<KV, 16, kDot>;
+    default: return nullptr;
+  }
+}
+
+AttendFn choose(at::ScalarType kv_type, at::ScalarType q_type, int64_t dim) {
+  const int64_t chunks = dim % 16 == 0 ? dim / 16 : 0;
+  AttendFn fn = nullptr;
+  if (kv_type == at::kFloat) fn = vector_path<float, false>(chunks);
+#if defined(__AVX512BF16__)
+  if (kv_type == at::kBFloat16 && q_type == at::kBFloat16) fn = vector_path<c10::BFloat16, true>(chunks);
+#endif
+  if (kv_type == at::kBFloat16 && !fn) fn = vector_path<c10::BFloat16, false>(chunks);
+  if (fn) return fn;
+  if (kv_type == at::kFloat) return &attend_plain<float>;
+  if (kv_type == at::kBFloat16) return &attend_plain<c10::BFloat16>;
+  return &attend_plain<c10::Half>;
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -227,18 +321,46 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: block_tables and seq_lens must be int32");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
               "paged_decode: one block-table row and one seq_len per query row");
-  const auto q_type = q.scalar_type();
+  const auto q_type = q.scalar_type(), kv_type = k_cache.scalar_type();
   TORCH_CHECK(q_type == at::kFloat || q_type == at::kBFloat16 || q_type == at::kHalf,
               "paged_decode: q must be float32, bfloat16 or float16");
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kHalf,
+              "paged_decode: the caches must be float32, bfloat16 or float16");
   const at::Tensor q_rows = q.stride(2) == 1 ? q : q.contiguous();
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(c10::MemoryFormat::Contiguous));
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: decode<float>(q_rows, k_cache, v_cache, tables, lens, scale, out); break;
-    case at::kBFloat16: decode<c10::BFloat16>(q_rows, k_cache, v_cache, tables, lens, scale, out); break;
-    case at::kHalf: decode<c10::Half>(q_rows, k_cache, v_cache, tables, lens, scale, out); break;
-    default: TORCH_CHECK(false, "paged_decode: the caches must be float32, bfloat16 or float16");
+
+  const int64_t batch = q.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), width = tables.size(1);
+  const int32_t* table = tables.data_ptr<int32_t>();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  // Everything the items will read is checked here, before the parallel region (an exception cannot leave one).
+  for (int64_t seq = 0; seq < batch; ++seq) {
+    TORCH_CHECK(len[seq] >= 0 && len[seq] <= width * block_size, "paged_decode: seq_lens[", seq, "] = ", len[seq],
+                " does not fit the block table's ", width, " blocks of ", block_size);
+    for (int64_t b = 0; b < (len[seq] + block_size - 1) / block_size; ++b) {
+      const int64_t block = table[seq * tables.stride(0) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode: block id ", block, " out of range");
+    }
+  }
+  // One item per (sequence, kv head), longest first: the dynamic schedule then ends on short items, not a long one.
+  std::vector<int64_t> items(batch * kv_heads);
+  for (int64_t i = 0; i < batch * kv_heads; ++i) items[i] = i;
+  std::stable_sort(items.begin(), items.end(),
+                   [&](int64_t a, int64_t b) { return len[a / kv_heads] > len[b / kv_heads]; });
+
+  const Decode d{static_cast<const char*>(q_rows.data_ptr()), q_rows.stride(0), q_rows.stride(1), q_type,
+                 k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, dim, q.size(1) / kv_heads,
+                 table, len, tables.stride(0), static_cast<float>(scale), out.data_ptr()};
+  const AttendFn fn = choose(kv_type, q_type, dim);
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(count, 1)));
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch scratch(d.group, dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < count; ++i) fn(d, items[i] / kv_heads, items[i] % kv_heads, scratch);
   }
   return out;
 }

@@ -16,7 +16,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include "fast_exp.h"
+#include "vec16.h"
 
 #include <omp.h>
 
@@ -34,66 +34,12 @@ constexpr int64_t kKeys = 64;  // keys per tile: kKeys / 16 vectors of scores pe
 constexpr int kVecs = kKeys / 16;
 constexpr int64_t kPrefetch = 8;  // keys ahead whose K/V rows pack() requests early
 
-typedef float Vec16 __attribute__((vector_size(64)));
-typedef int32_t Int16 __attribute__((vector_size(64)));
-
 // Rows per register block: AVX-512 has 32 vector registers, AVX2 16 (and a Vec16 takes two of them).
 #ifdef __AVX512F__
 constexpr int kScoreRows = 6, kValueRows = 4;  // 24 score and 16 value accumulators
 #else
 constexpr int kScoreRows = 1, kValueRows = 2;
 #endif
-
-// Makes the compiler materialise `v` in a register here (an empty asm that claims to change it), so that it is
-// loaded once rather than folded into every instruction that reads it. Only where a Vec16 fits one register.
-inline void keep_in_register(Vec16& v) {
-#ifdef __AVX512F__
-  asm("" : "+v"(v));
-#else
-  (void)v;
-#endif
-}
-
-// fast_exp.h's arithmetic on 16 lanes at once (round to nearest by the 1.5 * 2^23 trick instead of nearbyint).
-inline Vec16 exp16(Vec16 x) {
-  x = x < -87.0f ? Vec16{} - 87.0f : x;
-  x = x > 88.0f ? Vec16{} + 88.0f : x;
-  const Vec16 t = x * 1.44269504088896341f;
-  const Vec16 n = (t + 12582912.0f) - 12582912.0f;
-  const Vec16 p = exp2_fraction(t - n);
-  const Int16 bits = (__builtin_convertvector(n, Int16) + 127) << 23;
-  Vec16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec4 __attribute__((vector_size(16)));
-
-// Horizontal max and sum by halving the vector: a short tree, not a chain of 15 dependent steps.
-inline float max_lanes(Vec16 v) {
-  const Vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const Vec8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Vec8 h = a > b ? a : b;
-  const Vec4 c = __builtin_shufflevector(h, h, 0, 1, 2, 3), d = __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  const Vec4 q = c > d ? c : d;
-  return std::max(std::max(q[0], q[1]), std::max(q[2], q[3]));
-}
-
-inline float sum_lanes(Vec16 v) {
-  const Vec8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Vec4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
-inline Vec16 load16(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof v); }
 
 template <typename T>
 inline float as_float(T x) {
