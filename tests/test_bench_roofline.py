@@ -30,11 +30,24 @@ def test_decode_floor_is_the_larger_of_bytes_over_bandwidth_and_flops_over_rate(
     assert fast_memory.floor_s == pytest.approx(1.424) and fast_memory.bound == "compute"
 
 
+def test_the_serial_floor_adds_up_each_phase_on_its_own():
+    # At 1000 B/s and 1500 FLOP/s: linear layers 4000 bytes = 4.0 s against 4000 FLOPs = 2.67 s (memory-bound);
+    # attention 5120 bytes = 5.12 s against 10240 FLOPs = 6.83 s (compute-bound). Overlapped, the floor is
+    # max(9.12, 9.49); one phase after the other, 4.0 + 6.83.
+    floor = decode_floor(COUNTS, batch=2, context=10, bandwidth=1000.0, flop_rate=1500.0)
+    assert floor.floor_s == pytest.approx(14240 / 1500)
+    assert floor.serial_s == pytest.approx(4.0 + 10240 / 1500)
+    # Both phases bound by the same resource: the sum is the floor.
+    floor = decode_floor(COUNTS, batch=2, context=10, bandwidth=1000.0, flop_rate=1e6)
+    assert floor.serial_s == pytest.approx(floor.floor_s) == pytest.approx(9.12)
+
+
 def test_prefill_floor_counts_the_lm_head_once_per_sequence_and_causal_attention():
     # 2 sequences of 3 tokens: 2 x 900 x 6 + 2 x 100 x 2 + 4 x 2 x 4 x 16 x (2 x 3 x 4 / 2) = 10800 + 400 + 6144
     floor = prefill_floor(COUNTS, num_seqs=2, seq_len=3, bandwidth=1e9, flop_rate=1000.0)
     assert floor.flops == 17344 and floor.bytes == 4000 + 6 * 256
     assert floor.floor_s == pytest.approx(17.344) and floor.bound == "compute"
+    assert floor.serial_s == pytest.approx(17.344)  # compute-bound in both phases: the sum is the same
 
 
 @pytest.mark.parametrize("fixture, expected", [

@@ -10,7 +10,12 @@ Prefill step (S fresh sequences of L tokens, no cache hits; the LM head runs on 
   FLOPs = 2 x (matmul parameters - LM head) x S x L + 2 x LM head x S
           + 4 x layers x query heads x head_dim x S x L (L + 1) / 2                           (causal attention)
   bytes = the matmul weights once + S x L x KV bytes per token (written)
-An untied embedding table is not in the floor: a step reads only its B rows of it."""
+An untied embedding table is not in the floor: a step reads only its B rows of it.
+
+The floor lets memory traffic and arithmetic overlap perfectly. On a CPU a step runs its phases one after another
+on the same cores: the linear layers (weights read, matmul FLOPs) and the attention (KV read, attention FLOPs) each
+take at least their own max(bytes / bandwidth, FLOPs / rate), and only within a phase can the two overlap. Their
+sum is `serial_s`: the least a step can take when its phases do not overlap, never less than the floor."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -54,12 +59,17 @@ class Floor:
     compute_s: float  # FLOPs / matmul rate
     floor_s: float
     bound: str  # "memory" or "compute": the larger term
+    serial_s: float  # the linear layers' floor plus the attention's floor, each phase on its own
 
     @classmethod
-    def of(cls, nbytes: float, flops: float, bandwidth: float, flop_rate: float) -> "Floor":
+    def of(cls, linear: tuple[float, float], attention: tuple[float, float], bandwidth: float,
+           flop_rate: float) -> "Floor":
+        """From each phase's (bytes, FLOPs)."""
+        nbytes, flops = linear[0] + attention[0], linear[1] + attention[1]
         memory_s, compute_s = nbytes / bandwidth, flops / flop_rate
+        serial_s = sum(max(b / bandwidth, f / flop_rate) for b, f in (linear, attention))
         return cls(nbytes, flops, memory_s, compute_s, max(memory_s, compute_s),
-                   "memory" if memory_s >= compute_s else "compute")
+                   "memory" if memory_s >= compute_s else "compute", serial_s)
 
 
 def attention_flops(counts: ModelCounts, query_tokens_times_context: float) -> float:
@@ -68,14 +78,14 @@ def attention_flops(counts: ModelCounts, query_tokens_times_context: float) -> f
 
 
 def decode_floor(counts: ModelCounts, batch: int, context: int, bandwidth: float, flop_rate: float) -> Floor:
-    nbytes = counts.weight_bytes + batch * context * counts.kv_bytes_per_token
-    flops = 2 * counts.matmul_params * batch + attention_flops(counts, batch * context)
-    return Floor.of(nbytes, flops, bandwidth, flop_rate)
+    linear = (counts.weight_bytes, 2 * counts.matmul_params * batch)
+    attention = (batch * context * counts.kv_bytes_per_token, attention_flops(counts, batch * context))
+    return Floor.of(linear, attention, bandwidth, flop_rate)
 
 
 def prefill_floor(counts: ModelCounts, num_seqs: int, seq_len: int, bandwidth: float, flop_rate: float) -> Floor:
     tokens = num_seqs * seq_len
-    flops = (2 * (counts.matmul_params - counts.lm_head_params) * tokens + 2 * counts.lm_head_params * num_seqs
-             + attention_flops(counts, num_seqs * seq_len * (seq_len + 1) / 2))
-    nbytes = counts.weight_bytes + tokens * counts.kv_bytes_per_token
-    return Floor.of(nbytes, flops, bandwidth, flop_rate)
+    linear = (counts.weight_bytes,
+              2 * (counts.matmul_params - counts.lm_head_params) * tokens + 2 * counts.lm_head_params * num_seqs)
+    attention = (tokens * counts.kv_bytes_per_token, attention_flops(counts, num_seqs * seq_len * (seq_len + 1) / 2))
+    return Floor.of(linear, attention, bandwidth, flop_rate)

@@ -18,7 +18,8 @@ def format_roofline(record: dict[str, Any]) -> str:
              f"  memory read {memory['bytes_per_s'] / 1e9:,.1f} GB/s (sum over {memory['bytes'] / 2**30:,.2f} GiB, "
              f"best of {memory['reps']}); matmul {matmul} ({n}x{n}, best of "
              f"{next(iter(rates['matmul'].values()))['reps']})"]
-    header = ["dtype", "batch", "context", "best ms", "median ms", "floor ms", "bound", "x floor", "target"]
+    header = ["dtype", "batch", "context", "best ms", "median ms", "floor ms", "bound", "x floor", "target",
+              "serial ms", "x serial"]
     lines, skipped = [], []
     for case in record["decode"]:
         floor = case["floor"]
@@ -29,7 +30,8 @@ def format_roofline(record: dict[str, Any]) -> str:
         lines.append([SHORT.get(case["dtype"], case["dtype"]), str(case["batch"]), str(case["context"]),
                       _fmt(case["best_s"] * 1e3, ",.2f"), _fmt(case["median_s"] * 1e3, ",.2f"),
                       _fmt(floor["floor_s"] * 1e3, ",.2f"), floor["bound"], _fmt(case["ratio"], ".2f", "x"),
-                      f"<= {case['target']:.1f}x " + ("ok" if case["ratio"] <= case["target"] else "MISS")])
+                      f"<= {case['target']:.1f}x " + ("ok" if case["ratio"] <= case["target"] else "MISS"),
+                      _fmt(floor["serial_s"] * 1e3, ",.2f"), _fmt(case["best_s"] / floor["serial_s"], ".2f", "x")])
     parts.append(f"decode step (forward + LM head + sampling through ModelRunner.execute; best of {config['reps']} "
                  f"after {config['warmup']} warm-up):")
     if lines:
@@ -50,7 +52,8 @@ def format_roofline(record: dict[str, Any]) -> str:
     parts.append(f"  targets: decode <= {targets['decode_ratio_batch_ge_32']}x floor at batch >= 32, <= "
                  f"{targets['decode_ratio_batch_lt_32']}x below; prefill >= {targets['prefill_share_of_matmul']:.0%}"
                  f" of the matmul rate. floor = max(bytes / bandwidth, FLOPs / matmul rate): weights + KV read, "
-                 f"2 x matmul params x batch + attention")
+                 f"2 x matmul params x batch + attention; serial = the same for the linear layers, plus the same "
+                 f"for the attention (the step's phases run one after the other)")
     return "\n".join(parts)
 
 
