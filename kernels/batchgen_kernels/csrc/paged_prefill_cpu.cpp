@@ -18,6 +18,7 @@
 
 #include "vec16.h"
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -63,8 +65,10 @@ struct Item {
 struct Scratch {  // one per thread; the packed K/V grow to the longest key range an item of the thread needs
   std::vector<float> q, kt, v, s, acc, run_max;
   std::vector<float> run_sum;  // 16 lanes per row, added up once at the end (not once per tile)
+  std::vector<uint32_t> q_pairs, kt_pairs;  // the bf16 dot-product path's query and keys, two dims per word
   Scratch(int64_t rows, int64_t dim, int64_t padded_dim)
-      : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), run_max(rows), run_sum(rows * 16) {}
+      : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), run_max(rows), run_sum(rows * 16),
+        q_pairs(rows * dim / 2) {}
 };
 
 // s[r][0:kKeys] = q[r] . keys, for R rows at a time; kt holds the tile's keys transposed, [dim][kKeys].
@@ -88,6 +92,28 @@ __attribute__((noinline)) void score_rows(const float* q, const float* kt, float
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kVecs; ++c) store16(s + r * kKeys + 16 * c, acc[r][c]);
 }
+
+#if defined(__AVX512BF16__)
+// score_rows with bf16 dot products (vdpbf16ps: exact products, fp32 sums): q holds each row's query as pairs of
+// bf16 dims, one 32-bit word per pair; kt the tile's keys as [dim / 2][kKeys] such pairs. Unscaled scores.
+template <int R>
+__attribute__((noinline)) void score_rows_bf16(const uint32_t* q, const uint32_t* kt, float* s, int64_t dim) {
+  const int64_t pairs = dim / 2;
+  __m512 acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512i k[kVecs];
+    for (int c = 0; c < kVecs; ++c) k[c] = _mm512_loadu_si512(kt + i * kKeys + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(q[r * pairs + i]));
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x, (__m512bh)k[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(s + r * kKeys + 16 * c, acc[r][c]);
+}
+#endif
 
 // acc[r][offset : offset + 16 C] += sum over t < n of p[r][t] * v[t][same range], for R rows, in registers.
 template <int R, int C>
@@ -129,6 +155,14 @@ struct Prefill {
   float scale;
   QT* out;  // [T, Hq, D] contiguous
 
+  // Scores by bf16 dot products: a bf16 query and cache, an even head_dim, a CPU with AVX512_BF16.
+#if defined(__AVX512BF16__)
+  static constexpr bool kBf16 = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KV, c10::BFloat16>;
+#else
+  static constexpr bool kBf16 = false;
+#endif
+  bool dot() const { return kBf16 && dim % 2 == 0; }
+
   const KV* cache_row(const KV* base, int64_t seq, int64_t head, int64_t pos) const {
     const int64_t block = tables[seq * table_stride + pos / block_size];
     return base + ((block * block_size + pos % block_size) * kv_heads + head) * dim;
@@ -144,13 +178,14 @@ struct Prefill {
   }
 
   void pack(int64_t seq, int64_t head, int64_t key_end, Scratch& w) const {
-    const int64_t tiles = (key_end + kKeys - 1) / kKeys;
-    if (static_cast<int64_t>(w.kt.size()) < tiles * kKeys * dim) {
-      w.kt.resize(tiles * kKeys * dim);
+    const int64_t tiles = (key_end + kKeys - 1) / kKeys, pairs = dim / 2;
+    if (static_cast<int64_t>(w.v.size()) < tiles * kKeys * padded_dim) {
+      (dot() ? w.kt_pairs.resize(tiles * kKeys * pairs) : w.kt.resize(tiles * kKeys * dim));
       w.v.resize(tiles * kKeys * padded_dim);
     }
     for (int64_t tile = 0; tile < tiles; ++tile) {
-      float* kt = w.kt.data() + tile * kKeys * dim;
+      float* kt = dot() ? nullptr : w.kt.data() + tile * kKeys * dim;
+      uint32_t* kt_pairs = dot() ? w.kt_pairs.data() + tile * kKeys * pairs : nullptr;
       for (int64_t t = 0; t < kKeys; ++t) {
         const int64_t key = tile * kKeys + t;
         float* v_dst = w.v.data() + key * padded_dim;
@@ -161,11 +196,19 @@ struct Prefill {
         if (key < key_end) {
           const KV* k_row = cache_row(k_base, seq, head, key);
           const KV* v_row = cache_row(v_base, seq, head, key);
-          for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + t] = as_float(k_row[d]);
+          if (dot()) {
+            const char* bytes = reinterpret_cast<const char*>(k_row);
+            for (int64_t i = 0; i < pairs; ++i) std::memcpy(kt_pairs + i * kKeys + t, bytes + 4 * i, 4);
+          } else {
+            for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + t] = as_float(k_row[d]);
+          }
           for (int64_t d = 0; d < dim; ++d) v_dst[d] = as_float(v_row[d]);
           for (int64_t d = dim; d < padded_dim; ++d) v_dst[d] = 0.0f;
         } else {
-          for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + t] = 0.0f;
+          if (dot())
+            for (int64_t i = 0; i < pairs; ++i) kt_pairs[i * kKeys + t] = 0;
+          else
+            for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + t] = 0.0f;
           for (int64_t d = 0; d < padded_dim; ++d) v_dst[d] = 0.0f;
         }
       }
@@ -189,6 +232,10 @@ struct Prefill {
     for (int64_t r = 0; r < positions; ++r)
       for (int64_t g = 0; g < group; ++g) {
         const QT* src = q + (starts[seq] + first_row + r) * q_stride0 + (head * group + g) * q_stride1;
+        if (dot()) {
+          std::memcpy(w.q_pairs.data() + (r * group + g) * (dim / 2), src, dim * sizeof(QT));
+          continue;
+        }
         float* dst = w.q.data() + (r * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = as_float(src[d]) * scale;
       }
@@ -199,12 +246,23 @@ struct Prefill {
     const int64_t key_end = first_pos + positions;  // keys [0, key_end) are visible to some row of the tile
     for (int64_t start = 0; start < key_end; start += kKeys) {
       const int64_t n = std::min(kKeys, key_end - start);
-      const float* kt = w.kt.data() + start * dim;  // the tile's [dim][kKeys] block
+      const float* kt = dot() ? nullptr : w.kt.data() + start * dim;  // the tile's [dim][kKeys] block
       const float* v = w.v.data() + start * padded_dim;
       int64_t m = 0;
-      for (; m + kScoreRows <= rows; m += kScoreRows)
-        score_rows<kScoreRows>(w.q.data() + m * dim, kt, w.s.data() + m * kKeys, dim);
-      for (; m < rows; ++m) score_rows<1>(w.q.data() + m * dim, kt, w.s.data() + m * kKeys, dim);
+      if (dot()) {
+#if defined(__AVX512BF16__)
+        const uint32_t* kt_pairs = w.kt_pairs.data() + start * (dim / 2);
+        for (; m + kScoreRows <= rows; m += kScoreRows)
+          score_rows_bf16<kScoreRows>(w.q_pairs.data() + m * (dim / 2), kt_pairs, w.s.data() + m * kKeys, dim);
+        for (; m < rows; ++m)
+          score_rows_bf16<1>(w.q_pairs.data() + m * (dim / 2), kt_pairs, w.s.data() + m * kKeys, dim);
+#endif
+      } else {
+        for (; m + kScoreRows <= rows; m += kScoreRows)
+          score_rows<kScoreRows>(w.q.data() + m * dim, kt, w.s.data() + m * kKeys, dim);
+        for (; m < rows; ++m) score_rows<1>(w.q.data() + m * dim, kt, w.s.data() + m * kKeys, dim);
+      }
+      const float score_scale = dot() ? scale : 1.0f;  // the dot path's query is not pre-scaled
 
       const Vec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
       const Vec16 minus_inf = Vec16{} - std::numeric_limits<float>::infinity();
@@ -217,7 +275,7 @@ struct Prefill {
         }
         Vec16 x[kVecs], high = minus_inf;
         for (int c = 0; c < kVecs; ++c) {
-          x[c] = lane + 16.0f * c < visible ? load16(s + 16 * c) : minus_inf;  // the causal bound
+          x[c] = lane + 16.0f * c < visible ? load16(s + 16 * c) * score_scale : minus_inf;  // the causal bound
           high = high > x[c] ? high : x[c];
         }
         const float tile_max = std::max(w.run_max[m], max_lanes(high));
