@@ -65,10 +65,12 @@ struct Item {
 struct Scratch {  // one per thread; the packed K/V grow to the longest key range an item of the thread needs
   std::vector<float> q, kt, v, s, acc, run_max;
   std::vector<float> run_sum;  // 16 lanes per row, added up once at the end (not once per tile)
-  std::vector<uint32_t> q_pairs, kt_pairs;  // the bf16 dot-product path's query and keys, two dims per word
+  // The bf16 dot-product path's operands, two bf16 values per 32-bit word: the query and keys in pairs of dims,
+  // the values and probabilities in pairs of keys.
+  std::vector<uint32_t> q_pairs, kt_pairs, v_pairs, p_pairs;
   Scratch(int64_t rows, int64_t dim, int64_t padded_dim)
       : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), run_max(rows), run_sum(rows * 16),
-        q_pairs(rows * dim / 2) {}
+        q_pairs(rows * dim / 2), p_pairs(rows * kKeys / 2) {}
 };
 
 // s[r][0:kKeys] = q[r] . keys, for R rows at a time; kt holds the tile's keys transposed, [dim][kKeys].
@@ -137,6 +139,36 @@ __attribute__((noinline)) void accumulate_rows(float* acc, const float* p, const
     for (int c = 0; c < C; ++c) store16(acc + r * padded_dim + offset + 16 * c, sums[r][c]);
 }
 
+#if defined(__AVX512BF16__)
+// accumulate_rows with bf16 dot products: p holds each row's probabilities as bf16 pairs of keys (kKeys / 2 words
+// per row), v the tile's values as [kKeys / 2][padded_dim] words, each the same dim of two consecutive keys.
+template <int R, int C>
+__attribute__((noinline)) void accumulate_rows_bf16(float* acc, const uint32_t* p, const uint32_t* v, int64_t pairs,
+                                                    int64_t padded_dim, int64_t offset) {
+  __m512 sums[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) sums[r][c] = _mm512_loadu_ps(acc + r * padded_dim + offset + 16 * c);
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512i row[C];
+    for (int c = 0; c < C; ++c) row[c] = _mm512_loadu_si512(v + i * padded_dim + offset + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[r * (kKeys / 2) + i]));
+      for (int c = 0; c < C; ++c) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], w, (__m512bh)row[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * padded_dim + offset + 16 * c, sums[r][c]);
+}
+
+template <int R>
+inline void accumulate_bf16(float* acc, const uint32_t* p, const uint32_t* v, int64_t n, int64_t padded_dim) {
+  const int64_t pairs = (n + 1) / 2;  // an odd tile's last pair has a zero probability beside its key
+  int64_t offset = 0;
+  for (; offset + 64 <= padded_dim; offset += 64) accumulate_rows_bf16<R, 4>(acc, p, v, pairs, padded_dim, offset);
+  for (; offset < padded_dim; offset += 16) accumulate_rows_bf16<R, 1>(acc, p, v, pairs, padded_dim, offset);
+}
+#endif
+
 template <int R>
 inline void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t padded_dim) {
   int64_t offset = 0;
@@ -178,39 +210,57 @@ struct Prefill {
   }
 
   void pack(int64_t seq, int64_t head, int64_t key_end, Scratch& w) const {
-    const int64_t tiles = (key_end + kKeys - 1) / kKeys, pairs = dim / 2;
-    if (static_cast<int64_t>(w.v.size()) < tiles * kKeys * padded_dim) {
-      (dot() ? w.kt_pairs.resize(tiles * kKeys * pairs) : w.kt.resize(tiles * kKeys * dim));
-      w.v.resize(tiles * kKeys * padded_dim);
+    const int64_t tiles = (key_end + kKeys - 1) / kKeys, keys = tiles * kKeys;
+    if (dot()) return pack_pairs(seq, head, key_end, keys, w);
+    if (static_cast<int64_t>(w.v.size()) < keys * padded_dim) {
+      w.kt.resize(keys * dim);
+      w.v.resize(keys * padded_dim);
     }
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      float* kt = dot() ? nullptr : w.kt.data() + tile * kKeys * dim;
-      uint32_t* kt_pairs = dot() ? w.kt_pairs.data() + tile * kKeys * pairs : nullptr;
-      for (int64_t t = 0; t < kKeys; ++t) {
-        const int64_t key = tile * kKeys + t;
-        float* v_dst = w.v.data() + key * padded_dim;
-        if (key + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
-          prefetch(cache_row(k_base, seq, head, key + kPrefetch));
-          prefetch(cache_row(v_base, seq, head, key + kPrefetch));
-        }
-        if (key < key_end) {
-          const KV* k_row = cache_row(k_base, seq, head, key);
-          const KV* v_row = cache_row(v_base, seq, head, key);
-          if (dot()) {
-            const char* bytes = reinterpret_cast<const char*>(k_row);
-            for (int64_t i = 0; i < pairs; ++i) std::memcpy(kt_pairs + i * kKeys + t, bytes + 4 * i, 4);
-          } else {
-            for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + t] = as_float(k_row[d]);
-          }
-          for (int64_t d = 0; d < dim; ++d) v_dst[d] = as_float(v_row[d]);
-          for (int64_t d = dim; d < padded_dim; ++d) v_dst[d] = 0.0f;
-        } else {
-          if (dot())
-            for (int64_t i = 0; i < pairs; ++i) kt_pairs[i * kKeys + t] = 0;
-          else
-            for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + t] = 0.0f;
-          for (int64_t d = 0; d < padded_dim; ++d) v_dst[d] = 0.0f;
-        }
+    for (int64_t key = 0; key < keys; ++key) {
+      float* kt = w.kt.data() + (key / kKeys) * kKeys * dim + key % kKeys;  // column key % kKeys of its tile
+      float* v_dst = w.v.data() + key * padded_dim;
+      if (key + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
+        prefetch(cache_row(k_base, seq, head, key + kPrefetch));
+        prefetch(cache_row(v_base, seq, head, key + kPrefetch));
+      }
+      if (key < key_end) {
+        const KV* k_row = cache_row(k_base, seq, head, key);
+        const KV* v_row = cache_row(v_base, seq, head, key);
+        for (int64_t d = 0; d < dim; ++d) kt[d * kKeys] = as_float(k_row[d]);
+        for (int64_t d = 0; d < dim; ++d) v_dst[d] = as_float(v_row[d]);
+        for (int64_t d = dim; d < padded_dim; ++d) v_dst[d] = 0.0f;
+      } else {
+        for (int64_t d = 0; d < dim; ++d) kt[d * kKeys] = 0.0f;
+        for (int64_t d = 0; d < padded_dim; ++d) v_dst[d] = 0.0f;
+      }
+    }
+  }
+
+  // pack() for the bf16 dot products, moving the raw bf16 bits: K as [tile][dim / 2][kKeys] words (a pair of dims
+  // of one key), V as [key / 2][padded_dim] words (one dim of a pair of keys).
+  void pack_pairs(int64_t seq, int64_t head, int64_t key_end, int64_t keys, Scratch& w) const {
+    const int64_t pairs = dim / 2;
+    if (static_cast<int64_t>(w.v_pairs.size()) < keys / 2 * padded_dim) {
+      w.kt_pairs.resize(keys * pairs);
+      w.v_pairs.resize(keys / 2 * padded_dim);
+    }
+    uint16_t* v_halves = reinterpret_cast<uint16_t*>(w.v_pairs.data());
+    for (int64_t key = 0; key < keys; ++key) {
+      uint32_t* kt = w.kt_pairs.data() + (key / kKeys) * kKeys * pairs + key % kKeys;
+      uint16_t* v_dst = v_halves + (key / 2) * padded_dim * 2 + key % 2;  // then every other half-word
+      if (key + kPrefetch < key_end) {
+        prefetch(cache_row(k_base, seq, head, key + kPrefetch));
+        prefetch(cache_row(v_base, seq, head, key + kPrefetch));
+      }
+      if (key < key_end) {
+        const char* k_bytes = reinterpret_cast<const char*>(cache_row(k_base, seq, head, key));
+        const uint16_t* v_row = reinterpret_cast<const uint16_t*>(cache_row(v_base, seq, head, key));
+        for (int64_t i = 0; i < pairs; ++i) std::memcpy(kt + i * kKeys, k_bytes + 4 * i, 4);
+        for (int64_t d = 0; d < dim; ++d) v_dst[2 * d] = v_row[d];
+        for (int64_t d = dim; d < padded_dim; ++d) v_dst[2 * d] = 0;
+      } else {
+        for (int64_t i = 0; i < pairs; ++i) kt[i * kKeys] = 0;
+        for (int64_t d = 0; d < padded_dim; ++d) v_dst[2 * d] = 0;
       }
     }
   }
@@ -247,7 +297,6 @@ struct Prefill {
     for (int64_t start = 0; start < key_end; start += kKeys) {
       const int64_t n = std::min(kKeys, key_end - start);
       const float* kt = dot() ? nullptr : w.kt.data() + start * dim;  // the tile's [dim][kKeys] block
-      const float* v = w.v.data() + start * padded_dim;
       int64_t m = 0;
       if (dot()) {
 #if defined(__AVX512BF16__)
@@ -293,9 +342,28 @@ struct Prefill {
           for (int64_t d = 0; d < padded_dim; ++d) a[d] *= correction;
         }
       }
-      for (m = 0; m + kValueRows <= rows; m += kValueRows)
-        accumulate<kValueRows>(w.acc.data() + m * padded_dim, w.s.data() + m * kKeys, v, n, padded_dim);
-      for (; m < rows; ++m) accumulate<1>(w.acc.data() + m * padded_dim, w.s.data() + m * kKeys, v, n, padded_dim);
+      if (dot()) {
+#if defined(__AVX512BF16__)
+        for (m = 0; m < rows; ++m) {  // the probabilities as bf16, two keys per word
+          const float* p = w.s.data() + m * kKeys;
+          for (int c = 0; c < kVecs; c += 2)
+            _mm512_storeu_si512(w.p_pairs.data() + m * (kKeys / 2) + 8 * c,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16 * (c + 1)), _mm512_loadu_ps(p + 16 * c)));
+        }
+        const uint32_t* v_pairs = w.v_pairs.data() + start / 2 * padded_dim;
+        for (m = 0; m + kValueRows <= rows; m += kValueRows)
+          accumulate_bf16<kValueRows>(w.acc.data() + m * padded_dim, w.p_pairs.data() + m * (kKeys / 2), v_pairs, n,
+                                      padded_dim);
+        for (; m < rows; ++m)
+          accumulate_bf16<1>(w.acc.data() + m * padded_dim, w.p_pairs.data() + m * (kKeys / 2), v_pairs, n,
+                             padded_dim);
+#endif
+      } else {
+        const float* v = w.v.data() + start * padded_dim;
+        for (m = 0; m + kValueRows <= rows; m += kValueRows)
+          accumulate<kValueRows>(w.acc.data() + m * padded_dim, w.s.data() + m * kKeys, v, n, padded_dim);
+        for (; m < rows; ++m) accumulate<1>(w.acc.data() + m * padded_dim, w.s.data() + m * kKeys, v, n, padded_dim);
+      }
     }
 
     const int64_t q_heads = kv_heads * group;
