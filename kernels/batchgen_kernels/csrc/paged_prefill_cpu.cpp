@@ -68,9 +68,11 @@ struct Scratch {  // one per thread; the packed K/V grow to the longest key rang
   // The bf16 dot-product path's operands, two bf16 values per 32-bit word: the query and keys in pairs of dims,
   // the values and probabilities in pairs of keys.
   std::vector<uint32_t> q_pairs, kt_pairs, v_pairs, p_pairs;
+  std::vector<float> tile_max, correction;  // per row, padded to a multiple of 16 rows (vector exp)
   Scratch(int64_t rows, int64_t dim, int64_t padded_dim)
-      : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), run_max(rows), run_sum(rows * 16),
-        q_pairs(rows * dim / 2), p_pairs(rows * kKeys / 2) {}
+      : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), run_max((rows + 15) / 16 * 16),
+        run_sum(rows * 16), q_pairs(rows * dim / 2), p_pairs(rows * kKeys / 2), tile_max(run_max.size()),
+        correction(run_max.size()) {}
 };
 
 // s[r][0:kKeys] = q[r] . keys, for R rows at a time; kt holds the tile's keys transposed, [dim][kKeys].
@@ -315,23 +317,28 @@ struct Prefill {
 
       const Vec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
       const Vec16 minus_inf = Vec16{} - std::numeric_limits<float>::infinity();
+      // Online softmax over the tile: each row's new maximum first, then all rows' correction factors 16 at a time
+      // (one vector exp rather than a scalar one per row), then the probabilities.
       for (m = 0; m < rows; ++m) {
         float* s = w.s.data() + m * kKeys;
         const float visible = static_cast<float>(std::clamp<int64_t>(first_pos + m / group - start + 1, 0, n));
-        if (visible == 0.0f) {  // every key of the tile lies after this row's position (never the first tile)
-          std::fill(s, s + kKeys, 0.0f);
-          continue;
-        }
-        Vec16 x[kVecs], high = minus_inf;
+        Vec16 high = minus_inf;
         for (int c = 0; c < kVecs; ++c) {
-          x[c] = lane + 16.0f * c < visible ? load16(s + 16 * c) * score_scale : minus_inf;  // the causal bound
-          high = high > x[c] ? high : x[c];
+          const Vec16 x = lane + 16.0f * c < visible ? load16(s + 16 * c) * score_scale : minus_inf;  // causal bound
+          store16(s + 16 * c, x);
+          high = high > x ? high : x;
         }
-        const float tile_max = std::max(w.run_max[m], max_lanes(high));
-        const float correction = fast_exp(w.run_max[m] - tile_max);
+        w.tile_max[m] = std::max(w.run_max[m], max_lanes(high));  // run_max itself where no key is visible
+      }
+      for (m = 0; m < rows; m += 16)
+        store16(w.correction.data() + m, exp16(load16(w.run_max.data() + m) - load16(w.tile_max.data() + m)));
+      for (m = 0; m < rows; ++m) {
+        float* s = w.s.data() + m * kKeys;
+        const float visible = static_cast<float>(std::clamp<int64_t>(first_pos + m / group - start + 1, 0, n));
+        const float tile_max = w.tile_max[m], correction = w.correction[m];
         Vec16 total = {};
         for (int c = 0; c < kVecs; ++c) {
-          const Vec16 p = lane + 16.0f * c < visible ? exp16(x[c] - tile_max) : Vec16{};
+          const Vec16 p = lane + 16.0f * c < visible ? exp16(load16(s + 16 * c) - tile_max) : Vec16{};
           store16(s + 16 * c, p);
           total += p;
         }
