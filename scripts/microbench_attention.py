@@ -4,10 +4,13 @@
   mlp:     SwiGLU MLP of the default model at a 4,096- vs 2,048-token step
   cpu:     decode through the torch reference (gather, then SDPA) vs the C++ kernel that reads K/V in place, at
            batch 1-256 x contexts 128/1024, fp32 and bf16: time, ratio and GB/s of K/V read (not in the default set)
+  cpu-stream: the C++ decode kernel alone at batch 32/64 x context 1,024 over four layers' caches read in turn
+           (nothing left in the CPU's caches between calls), blocks consecutive and shuffled, fp32 and bf16, on
+           torch's threads: ms per layer and GB/s of K/V (compare scripts/kv_read_bandwidth.py) (not in the default set)
   cpu-prefill: a step's prefills through the torch reference (per sequence: gather, then SDPA or two bmm) vs the
            C++ kernel (all sequences in one call, K/V read in place), fp32 and bf16: labeling-like prompts after a
            cached prefix, whole prompts, one long prompt; time, ratio and GFLOP/s (not in the default set)
-Usage: python scripts/microbench_attention.py [decode|prefill|mlp|cpu|cpu-prefill ...]"""
+Usage: python scripts/microbench_attention.py [decode|prefill|mlp|cpu|cpu-stream|cpu-prefill ...]"""
 from __future__ import annotations
 
 import random
@@ -123,6 +126,39 @@ def cpu() -> None:
                       f"{ref_n:>8.3f} {kernel_n:>9.3f} {ref_n / kernel_n:>6.2f}x {gigabytes / kernel_n * 1e3:>9.1f}")
 
 
+def cpu_stream(layers: int = 4) -> None:
+    from batchgen_kernels import cpu_backend
+
+    if not cpu_backend.available():
+        sys.exit("the C++ CPU kernels could not be built (see the warning above)")
+    print(f"decode kernel over {layers} layers' caches in turn, {torch.get_num_threads()} threads, wall time, best "
+          "of 5 rounds; GB/s = K/V bytes of the contexts / time")
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch, context in ((32, 1024), (64, 1024)):
+            for shuffled in (False, True):
+                width = context // BLOCK
+                num_blocks = batch * width
+                caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype),
+                           torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)) for _ in range(layers)]
+                order = torch.randperm(num_blocks) if shuffled else torch.arange(num_blocks)
+                table = order.view(batch, width).int()
+                q = torch.randn(batch, KV_HEADS * GROUP, DIM).to(dtype)
+                md = AttentionMetadata.build([1] * batch, [context] * batch, table,
+                                             torch.zeros(batch, dtype=torch.int64), "cpu")
+                k, v = caches[0]
+                torch.testing.assert_close(cpu_backend.paged_attention(q, k, v, md, DIM ** -0.5).float(),
+                                           ref.paged_attention(q, k, v, md, DIM ** -0.5).float(), atol=3e-2, rtol=3e-2)
+
+                def every_layer():
+                    for k_cache, v_cache in caches:
+                        cpu_backend.paged_attention(q, k_cache, v_cache, md, DIM ** -0.5)
+
+                per_layer = best_ms(every_layer) / layers
+                gigabytes = batch * context * KV_HEADS * DIM * 2 * k.element_size() / 1e9
+                print(f"{str(dtype)[6:]:>8} batch {batch:>3} context {context} {'shuffled' if shuffled else 'consecutive':>11}"
+                      f" blocks: {per_layer:6.3f} ms per layer, {gigabytes / per_layer * 1e3:5.1f} GB/s")
+
+
 def prefill_flops(query_lens: list[int], seq_lens: list[int]) -> int:
     """QK^T and PV multiply-adds of causal attention over the visible keys: 4 x head_dim per (query head, key)."""
     visible = sum(q_len * (s_len - q_len) + q_len * (q_len + 1) // 2 for q_len, s_len in zip(query_lens, seq_lens))
@@ -211,7 +247,8 @@ def mlp() -> None:
 
 
 if __name__ == "__main__":
-    BENCHMARKS = {"decode": decode, "prefill": prefill, "mlp": mlp, "cpu": cpu, "cpu-prefill": cpu_prefill}
+    BENCHMARKS = {"decode": decode, "prefill": prefill, "mlp": mlp, "cpu": cpu, "cpu-stream": cpu_stream,
+                  "cpu-prefill": cpu_prefill}
     names = sys.argv[1:] or ["decode", "prefill", "mlp"]
     if any(name in ("-h", "--help") for name in names):
         print(__doc__)

@@ -32,7 +32,7 @@ def best(fn, reps: int) -> float:
 
 def matmul(reps: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
-        for rows in (1, 8, 64, 256):
+        for rows in (1, 8, 32, 64, 256):
             for name, (k, n) in SHAPES.items():
                 x, w = torch.randn(rows, k).to(dtype), (torch.randn(n, k) / k**0.5).to(dtype)
                 packed = PackedLinear(w, None)

@@ -7,8 +7,8 @@
 // summed into a vector of partial sums, and the tile's 16 such vectors are reduced together by a transposing tree
 // (vec16.h) rather than by one horizontal sum per key. With a bf16 cache and query on a CPU with AVX512_BF16, the
 // products are bf16 dot products (vdpbf16ps: exact products, fp32 sums); V rows are widened to fp32 by a shift.
-// Only positions < seq_len are read: slots past a sequence's end may hold anything (NaN included). Head dims that
-// are not a multiple of 16 (or over 256) and fp16 caches take a plain per-key loop instead.
+// Only positions < seq_len are read: slots past a sequence's end may hold anything (NaN included). Head dims other
+// than 16-128 in steps of 16 and 256, and fp16 caches, take a plain per-key loop instead.
 // Registered as torch.ops.batchgen.paged_decode (its fake implementation is in Python).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -117,8 +117,9 @@ struct Scratch {  // one per thread, for the item it is on; a row per query head
 template <int C>
 constexpr int kValueRows = C <= 4 ? 4 : (C <= 5 ? 3 : (C <= 8 ? 2 : 1));
 
+// Floats 16 c .. 16 c + 15 of a K or V row, as fp32.
 template <typename KV, int C>
-inline Vec16 value_chunk(const KV* row, int c) {
+inline Vec16 row_chunk(const KV* row, int c) {
   if constexpr (std::is_same_v<KV, float>) return load16(row + 16 * c);
   else return widen_bf16(row + 16 * c);
 }
@@ -137,7 +138,7 @@ __attribute__((noinline)) void accumulate_rows(float* acc, const float* p, const
     const KV* row = values + t * row_stride;
     Vec16 v[C];
     for (int c = 0; c < C; ++c) {
-      v[c] = value_chunk<KV, C>(row, c);
+      v[c] = row_chunk<KV, C>(row, c);
       keep_in_register(v[c]);  // loaded once for the R rows, not folded into each of their multiply-adds
     }
     for (int r = 0; r < R; ++r) {
@@ -196,7 +197,7 @@ void attend(const Decode& d, int64_t seq, int64_t head, Scratch& s) {
 #endif
       if constexpr (!kDot) {
         Vec16 k[C];
-        for (int c = 0; c < C; ++c) k[c] = value_chunk<KV, C>(key, c);
+        for (int c = 0; c < C; ++c) k[c] = row_chunk<KV, C>(key, c);
         for (int64_t g = 0; g < group; ++g) {
           const float* q = s.q.data() + g * dim;
           Vec16 sum = load16(q) * k[0];
