@@ -101,6 +101,8 @@ def test_roofline_run_on_a_tiny_model(tiny_llama_dir, tmp_path, monkeypatch):
             floor = decode_floor(counts, case["batch"], case["context"], bandwidth, rate)
             assert case["floor"]["floor_s"] == pytest.approx(floor.floor_s)
             assert case["floor"]["floor_s"] == max(case["floor"]["memory_s"], case["floor"]["compute_s"])
+            assert case["floor"]["serial_s"] == pytest.approx(floor.serial_s)
+            assert case["floor"]["serial_s"] >= case["floor"]["floor_s"] * (1 - 1e-12)
             if "skipped" not in case:
                 assert case["best_s"] == min(case["times_s"]) and len(case["times_s"]) == 2
                 assert case["ratio"] == pytest.approx(case["best_s"] / case["floor"]["floor_s"])
@@ -119,7 +121,8 @@ def test_roofline_run_on_a_tiny_model(tiny_llama_dir, tmp_path, monkeypatch):
 
     table = format_roofline(record)
     for text in ("best ms", "floor ms", "x floor", "memory read", "bf16", "fp32 2 x 24 tokens", "skipped",
-                 f"{record['decode'][0]['ratio']:.2f}x", "targets: decode <= 1.5x"):
+                 f"{record['decode'][0]['ratio']:.2f}x", "targets: decode <= 1.5x", "serial ms", "x serial",
+                 f"{record['decode'][0]['best_s'] / record['decode'][0]['floor']['serial_s']:.2f}x"):
         assert text in table
     archived = json.loads((tmp_path / "archive.jsonl").read_text())
     assert archived["kind"] == "roofline" and archived["decode"] == record["decode"] and "paths" not in archived
