@@ -7,8 +7,11 @@
 // `group` query heads of the kv head together (each packed K/V tile serves kRows x group rows), flash-attention
 // style: scores for a tile by broadcast-multiply-adds over head_dim (as in a GEMM micro-kernel), a causal bound per
 // row (query j of a sequence of `len` tokens with `q_len` new ones sits at len - q_len + j), an online softmax, then
-// probabilities x V accumulated in registers. Only keys at positions < seq_len are read. Items are handed out
-// longest first (dynamic schedule): their costs differ by the length of their key range.
+// probabilities x V accumulated in registers. With a bf16 query and cache on a CPU with AVX512_BF16 both products
+// are bf16 dot products (vdpbf16ps) instead: K and V are packed as raw bf16 pairs (pack_pairs) and the
+// probabilities rounded to bf16 before P x V, as flash attention does; sums stay fp32. Only keys at positions <
+// seq_len are read. Items are handed out longest first (dynamic schedule): their costs differ by the length of
+// their key range.
 // Registered as torch.ops.batchgen.paged_prefill_ (writes into `out`; its fake implementation is in Python).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
