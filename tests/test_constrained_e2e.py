@@ -20,6 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from cli_runs import read, run_cli
+
 LABELS = ["BILLING", "SHIPPING", "RETURNS", "ACCOUNT", "TECHNICAL", "PRODUCT", "PRIVACY", "FEEDBACK", "OTHER"]
 SCHEMA = {
     "type": "object",
@@ -77,15 +79,6 @@ def make_job(root: Path, name: str, **engine) -> Path:
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
-
-
-def run_cli(job: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batchgen", "run", str(job), "--quiet", *args],
-                          capture_output=True, text=True, timeout=900)
-
-
-def read(out: Path) -> pl.DataFrame:
-    return pl.read_parquet(f"{out}/*.parquet")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ import yaml
 
 import ray  # noqa: F401 -- the `ray` extra is part of the test setup: a missing Ray fails here, not silently
 
+from cli_runs import read, run_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = yaml.safe_load((ROOT / "jobs" / "sample.yaml").read_text())
 COMPARED = ["id", "text", "finish_reason", "error", "prompt_tokens", "output_tokens", "topic"]
@@ -32,15 +34,6 @@ def write_job(tmp_path: Path, name: str, executor: dict | None, base: dict = SAM
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
-
-
-def run_cli(job: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "batchgen", "run", str(job), "--quiet", *args],
-                          capture_output=True, text=True, timeout=900)
-
-
-def read(out: Path) -> pl.DataFrame:
-    return pl.read_parquet(f"{out}/*.parquet")
 
 
 def session_processes(driver: int) -> list[psutil.Process]:
