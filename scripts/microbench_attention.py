@@ -5,8 +5,10 @@
   cpu:     decode through the torch reference (gather, then SDPA) vs the C++ kernel that reads K/V in place, at
            batch 1-256 x contexts 128/1024, fp32 and bf16: time, ratio and GB/s of K/V read (not in the default set)
   cpu-stream: the C++ decode kernel alone at batch 32/64 x context 1,024 over four layers' caches read in turn
-           (nothing left in the CPU's caches between calls), blocks consecutive and shuffled, fp32 and bf16, on
-           torch's threads: ms per layer and GB/s of K/V (compare scripts/kv_read_bandwidth.py) (not in the default set)
+           (nothing left in the CPU's caches between calls), blocks consecutive and shuffled, the cache stored
+           token-major (the engine's) and head-major, fp32 and bf16, on torch's threads: ms per layer and GB/s of K/V
+           (compare scripts/kv_read_bandwidth.py); first, batch 8 x context 256 on one layer, whose 1.6-3.1 MB stay
+           in the CPU's caches: the kernel's rate when memory is not what limits it (not in the default set)
   cpu-prefill: a step's prefills through the torch reference (per sequence: gather, then SDPA or two bmm) vs the
            C++ kernel (all sequences in one call, K/V read in place), fp32 and bf16: labeling-like prompts after a
            cached prefix, whole prompts, one long prompt; time, ratio and GFLOP/s (not in the default set)
@@ -126,37 +128,47 @@ def cpu() -> None:
                       f"{ref_n:>8.3f} {kernel_n:>9.3f} {ref_n / kernel_n:>6.2f}x {gigabytes / kernel_n * 1e3:>9.1f}")
 
 
+def paged_cache(num_blocks: int, dtype: torch.dtype, head_major: bool) -> torch.Tensor:
+    """A random [num_blocks, BLOCK, KV_HEADS, DIM] cache, stored token-major or head-major ([N, Hkv, bs, D] in memory,
+    the engine's CPU layout)."""
+    if head_major:
+        return torch.randn(num_blocks, KV_HEADS, BLOCK, DIM).to(dtype).transpose(1, 2)
+    return torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+
+
 def cpu_stream(layers: int = 4) -> None:
     from batchgen_kernels import cpu_backend
 
     if not cpu_backend.available():
         sys.exit("the C++ CPU kernels could not be built (see the warning above)")
-    print(f"decode kernel over {layers} layers' caches in turn, {torch.get_num_threads()} threads, wall time, best "
-          "of 5 rounds; GB/s = K/V bytes of the contexts / time")
+    print(f"decode kernel over {layers} layers' caches in turn (the first row: one layer), {torch.get_num_threads()} "
+          "threads, wall time, best of 5 rounds; GB/s = K/V bytes of the contexts / time")
     for dtype in (torch.float32, torch.bfloat16):
-        for batch, context in ((32, 1024), (64, 1024)):
-            for shuffled in (False, True):
-                width = context // BLOCK
-                num_blocks = batch * width
-                caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype),
-                           torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)) for _ in range(layers)]
-                order = torch.randperm(num_blocks) if shuffled else torch.arange(num_blocks)
-                table = order.view(batch, width).int()
-                q = torch.randn(batch, KV_HEADS * GROUP, DIM).to(dtype)
-                md = AttentionMetadata.build([1] * batch, [context] * batch, table,
-                                             torch.zeros(batch, dtype=torch.int64), "cpu")
-                k, v = caches[0]
-                torch.testing.assert_close(cpu_backend.paged_attention(q, k, v, md, DIM ** -0.5).float(),
-                                           ref.paged_attention(q, k, v, md, DIM ** -0.5).float(), atol=3e-2, rtol=3e-2)
+        cases = [(8, 256, False, False, 1)] + [(batch, 1024, shuffled, head_major, layers) for batch in (32, 64)
+                                                for head_major in (False, True) for shuffled in (False, True)]
+        for batch, context, shuffled, head_major, num_layers in cases:
+            width = context // BLOCK
+            num_blocks = batch * width
+            caches = [(paged_cache(num_blocks, dtype, head_major), paged_cache(num_blocks, dtype, head_major))
+                      for _ in range(num_layers)]
+            order = torch.randperm(num_blocks) if shuffled else torch.arange(num_blocks)
+            table = order.view(batch, width).int()
+            q = torch.randn(batch, KV_HEADS * GROUP, DIM).to(dtype)
+            md = AttentionMetadata.build([1] * batch, [context] * batch, table,
+                                         torch.zeros(batch, dtype=torch.int64), "cpu")
+            k, v = caches[0]
+            torch.testing.assert_close(cpu_backend.paged_attention(q, k, v, md, DIM ** -0.5).float(),
+                                       ref.paged_attention(q, k, v, md, DIM ** -0.5).float(), atol=3e-2, rtol=3e-2)
 
-                def every_layer():
-                    for k_cache, v_cache in caches:
-                        cpu_backend.paged_attention(q, k_cache, v_cache, md, DIM ** -0.5)
+            def every_layer():
+                for k_cache, v_cache in caches:
+                    cpu_backend.paged_attention(q, k_cache, v_cache, md, DIM ** -0.5)
 
-                per_layer = best_ms(every_layer) / layers
-                gigabytes = batch * context * KV_HEADS * DIM * 2 * k.element_size() / 1e9
-                print(f"{str(dtype)[6:]:>8} batch {batch:>3} context {context} {'shuffled' if shuffled else 'consecutive':>11}"
-                      f" blocks: {per_layer:6.3f} ms per layer, {gigabytes / per_layer * 1e3:5.1f} GB/s")
+            per_layer = best_ms(every_layer) / num_layers
+            gigabytes = batch * context * KV_HEADS * DIM * 2 * k.element_size() / 1e9
+            blocks, layout = "shuffled" if shuffled else "consecutive", "head" if head_major else "token"
+            print(f"{str(dtype)[6:]:>8} batch {batch:>3} context {context:>4} {blocks:>11} blocks, {layout}-major: "
+                  f"{per_layer:6.3f} ms per layer, {gigabytes / per_layer * 1e3:5.1f} GB/s")
 
 
 def prefill_flops(query_lens: list[int], seq_lens: list[int]) -> int:

@@ -87,6 +87,22 @@ def test_fp32_query_over_a_bf16_cache_and_a_strided_query():
     torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 72])
+def test_decode_over_a_head_major_cache(dtype, head_dim):
+    """The caches as a view of [N, Hkv, bs, D] memory (what scripts/microbench_attention.py cpu-stream compares):
+    the kernel follows the strides, on the vector path (64) and the plain one (72)."""
+    q, k_cache, v_cache, md = make_case([1] * 3, [5, 16, 77], block_size=16, num_kv_heads=3, group=3,
+                                        head_dim=head_dim, dtype=dtype)
+    k_heads, v_heads = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
+    assert not k_heads.is_contiguous() and torch.equal(k_heads, k_cache)
+    got = cpu_backend.paged_decode(q, k_heads, v_heads, md.block_tables, md.seq_lens, 0.125)
+    assert_close(got, reference.paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.max_seq_len,
+                                             0.125))
+    with pytest.raises(RuntimeError, match="head_dim contiguous"):
+        cpu_backend.paged_decode(q, k_cache[..., ::2], v_cache[..., ::2], md.block_tables, md.seq_lens, 0.125)
+
+
 def test_an_empty_context_gives_zeros():
     """A zero-length row (batch padding) gives zeros, not NaN, and leaves the other rows alone."""
     q, k_cache, v_cache, md = make_case([1, 1], [70, 70], group=3, head_dim=64)

@@ -57,13 +57,16 @@ inline void prefetch_lines(const void* row) {
 }
 
 // The call's inputs, shared by every work item. q: [B, Hq, D] (any strides but the last); out: [B, Hq, D]
-// contiguous, q's dtype; caches contiguous [N, bs, Hkv, D].
+// contiguous, q's dtype; caches [N, bs, Hkv, D] with any strides but the last (both caches the same ones): the
+// engine's are contiguous; a head-major one ([N, Hkv, bs, D] in memory, viewed transposed) measured no faster
+// (docs/performance.md, "Change 9").
 struct Decode {
   const char* q;
   int64_t q_stride0, q_stride1;  // in elements
   at::ScalarType q_type;
   const void *k_base, *v_base;
   int64_t block_size, kv_heads, dim, group;
+  int64_t block_stride, slot_stride, head_stride;  // the caches' strides, in elements
   const int32_t *tables, *lens;
   int64_t table_stride;
   float scale;
@@ -71,7 +74,7 @@ struct Decode {
 
   int64_t row(int64_t seq, int64_t head, int64_t pos) const {  // element offset of (pos, head) in either cache
     const int64_t block = tables[seq * table_stride + pos / block_size];
-    return ((block * block_size + pos % block_size) * kv_heads + head) * dim;
+    return block * block_stride + (pos % block_size) * slot_stride + head * head_stride;
   }
 
   // Keys of a tile starting at `start`: up to kTile, never past the context or the block's end.
@@ -157,7 +160,7 @@ template <typename KV, int C, bool kDot>
 void attend(const Decode& d, int64_t seq, int64_t head, Scratch& s) {
   constexpr int64_t dim = 16 * C;
   constexpr int64_t row_bytes = dim * static_cast<int64_t>(sizeof(KV));
-  const int64_t group = d.group, len = d.lens[seq], row_stride = d.kv_heads * dim;
+  const int64_t group = d.group, len = d.lens[seq], row_stride = d.slot_stride;
   const KV* k_base = static_cast<const KV*>(d.k_base);
   const KV* v_base = static_cast<const KV*>(d.v_base);
   for (int64_t g = 0; g < group; ++g) {
@@ -314,7 +317,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q must be [B, Hq, D] and the caches [N, bs, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_decode: k_cache and v_cache differ");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: the caches must be contiguous");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1,
+              "paged_decode: the caches must share strides, with head_dim contiguous");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode: CPU tensors only");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "paged_decode: q's heads and head_dim do not match the caches'");
@@ -353,7 +357,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
   const Decode d{static_cast<const char*>(q_rows.data_ptr()), q_rows.stride(0), q_rows.stride(1), q_type,
                  k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, dim, q.size(1) / kv_heads,
-                 table, len, tables.stride(0), static_cast<float>(scale), out.data_ptr()};
+                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table, len, tables.stride(0), static_cast<float>(scale), out.data_ptr()};
   const AttendFn fn = choose(kv_type, q_type, dim);
   const int64_t count = static_cast<int64_t>(items.size());
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(count, 1)));
