@@ -21,6 +21,7 @@ from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs, parse_bytes
 from .errors import SettingError
 from .gpu_memory import kv_cache_budget
+from .host_malloc import keep_step_memory
 from .kernel_warmup import compile_attention_kernels, uses_triton
 from .kv_pool import KVPoolSize, size_kv_pool
 from .model_runner import ModelRunner
@@ -71,6 +72,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
     pool = kv_pool_size(model, args, dtype.dtype, device)
     max_model_len = context_length(args, model.max_model_len, pool.num_blocks)
     runner = ModelRunner(model, pool.num_blocks, args.block_size, dtype.dtype, device, eos, args.attention_backend)
+    if device.type == "cpu":  # after the weights and the KV cache, which stay mapped apart
+        keep_step_memory()
     if attention.name == "triton" and device.type == "cuda":  # the kernels chosen above
         compile_attention_kernels(model, max_model_len)  # no step of the run compiles a kernel
     if device.type == "cuda" and not args.enforce_eager:
