@@ -139,8 +139,10 @@ def connect(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    # Errors only: Ray's warnings (token authentication, progress bars off) are not the job's, and a --quiet run of a
+    # scheduled pipeline should print nothing but failures.
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
     return True
 
 
