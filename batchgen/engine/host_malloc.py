@@ -18,7 +18,7 @@ import sys
 logger = logging.getLogger("batchgen")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-# Tried in order: glibc before 2.26 refuses an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2).
+# Tried in order: older glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB); 2.36 here takes 256 MiB.
 MMAP_THRESHOLDS = (256 << 20, 32 << 20)
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TOP_PAD_")
 

@@ -357,7 +357,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
   const Decode d{static_cast<const char*>(q_rows.data_ptr()), q_rows.stride(0), q_rows.stride(1), q_type,
                  k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, dim, q.size(1) / kv_heads,
-                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table, len, tables.stride(0), static_cast<float>(scale), out.data_ptr()};
+                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table, len, tables.stride(0),
+                 static_cast<float>(scale), out.data_ptr()};
   const AttendFn fn = choose(kv_type, q_type, dim);
   const int64_t count = static_cast<int64_t>(items.size());
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(count, 1)));
