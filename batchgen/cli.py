@@ -19,7 +19,31 @@ from batchgen.bench.system_types import DTYPES as BENCH_DTYPES
 EXIT_OK, EXIT_RUNTIME, EXIT_JOB, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-@click.group()
+class BatchgenGroup(click.Group):
+    """click's group, but a usage error (an unknown option, a bad value) ends, like every failure, with one
+    `batchgen: error: ...` line, after click's usage lines."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        try:
+            return super().main(*args, **kwargs)
+        except click.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())):  # `batchgen` alone: its help
+                click.echo(exc.format_message(), err=True)
+                click.echo("batchgen: error: no command given", err=True)
+                sys.exit(exc.exit_code)
+            if ctx is not None:
+                click.echo(ctx.get_usage(), err=True)
+                click.echo(f"Try '{ctx.command_path} --help' for help.", err=True)
+            click.echo(f"batchgen: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("batchgen: error: aborted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+
+
+@click.group(cls=BatchgenGroup)
 @click.version_option(batchgen.__version__, prog_name="batchgen")
 def main() -> None:
     """batchgen: offline batch generation for LLMs (Parquet in, Parquet out)."""
@@ -194,14 +218,16 @@ def bench_roofline(job: str | None, dtype: str | None, batches: tuple[int, ...],
 @click.option("--archive", default=None, metavar="PATH",
               help="The bench archive the time estimate comes from [default: docs/performance-archive.jsonl, "
                    "here or else in batchgen's source tree].")
+@click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
+              help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
 def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int, cost_per_hour: float | None,
-         archive: str | None) -> None:
+         archive: str | None, debug: bool) -> None:
     """Check JOB.yaml as run would and print the plan (prompts, tokens, memory, time, resume state) without
     loading the model's weights or writing anything. Exit 2 for a problem run would refuse, or a memory estimate
     above the memory available."""
     from pathlib import Path
 
-    from batchgen.job import JobConfigError, load_job
+    from batchgen.job import load_job
     from batchgen.job.plan import make_plan
     from batchgen.job.plan_report import format_plan
 
@@ -209,10 +235,8 @@ def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int
     if archive is None:
         here = Path("docs/performance-archive.jsonl")
         archive = here if here.is_file() else Path(batchgen.__file__).parents[1] / here
-    try:
+    with reported_failures(debug, resumable=False):
         made = make_plan(load_job(job, overrides), overwrite, sample_rows, cost_per_hour, Path(archive))
-    except JobConfigError as exc:
-        _fail(EXIT_JOB, str(exc))
     click.echo(format_plan(made, job))
     for warning in made.warnings:
         click.echo(f"batchgen: warning: {warning}", err=True)
@@ -222,9 +246,11 @@ def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int
 
 
 @contextmanager
-def reported_failures(debug: bool, before_exit: Callable[[], None] = lambda: None) -> Iterator[None]:
+def reported_failures(debug: bool, before_exit: Callable[[], None] = lambda: None,
+                      resumable: bool = True) -> Iterator[None]:
     """Every failure inside as its exit code and one last stderr line (a traceback before it only with --debug):
-    a problem with the job 2, an interrupt 130, anything else a runtime failure, 1."""
+    a problem with the job 2, an interrupt 130, anything else a runtime failure, 1. `resumable`: the failure
+    happened in a run, whose committed rows a re-run keeps (not in a plan, which writes nothing)."""
     from batchgen.job import JobConfigError
 
     try:
@@ -234,13 +260,15 @@ def reported_failures(debug: bool, before_exit: Callable[[], None] = lambda: Non
         _fail(EXIT_JOB, str(exc), debug)
     except KeyboardInterrupt:
         before_exit()
-        _fail(EXIT_INTERRUPTED, "interrupted; finished rows are committed, re-run the same command to resume", debug)
+        _fail(EXIT_INTERRUPTED, "interrupted; finished rows are committed, re-run the same command to resume"
+              if resumable else "interrupted", debug)
     except Exception as exc:
         before_exit()
         text = str(exc).strip()
         detail = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-        _fail(EXIT_RUNTIME, f"runtime failure: {detail} (committed rows are kept; re-run the same command to "
-                            f"resume{'' if debug else '; --debug shows the traceback'})", debug)
+        hint = "committed rows are kept; re-run the same command to resume" if resumable else "nothing was written"
+        _fail(EXIT_RUNTIME, f"runtime failure: {detail} ({hint}{'' if debug else '; --debug shows the traceback'})",
+              debug)
 
 
 def _fail(code: int, message: str, debug: bool = False) -> None:

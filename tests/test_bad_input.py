@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -67,8 +66,8 @@ class EchoEngine:
     finishes at once, its text the prompt its byte tokens spell."""
 
     tokenizer = ByteTokenizer()
-    max_model_len = kv_capacity = 4096
-    model = SimpleNamespace(max_model_len=4096)
+    max_model_len = 4096
+    context_limit = "the model's context window is 4096 tokens"
 
     def __init__(self, args):
         self.args = args

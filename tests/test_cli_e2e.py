@@ -56,7 +56,7 @@ BAD = {  # key -> (prompt, temperature, max_tokens, expected error fragment)
     "k-null": (None, None, None, "prompt is null"),
     "k-empty": ("", None, None, "prompt is empty"),
     "k-long": ("Please summarize the following text carefully. " * 60, None, None,
-               "tokens, engine.max_model_len is 320 tokens"),  # the limit that was hit, named
+               "tokens, and engine.max_model_len is 320 tokens"),  # the limit that was hit, named
     "k-temp": ("What time do you open?", -1.0, None, "temperature must be >= 0"),
     "k-maxtok": ("Do you sell gift cards?", None, 0, "max_tokens must be at least 1"),
 }

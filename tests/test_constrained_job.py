@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -539,12 +538,11 @@ class FakeEngine:
     """Stands in for the loaded engine: the byte tokenizer, each request's samples together, and after `fail_after`
     results a device failure."""
 
-    max_model_len = kv_capacity = 4096
+    max_model_len = 4096
+    context_limit = "the model's context window is 4096 tokens"
 
     def __init__(self, fail_after: int | None = None):
         self.tokenizer = ByteTokenizer()
-        self.args = SimpleNamespace(max_model_len=None)
-        self.model = SimpleNamespace(max_model_len=4096)
         self.fail_after = fail_after
         self.requested: list[int] = []
 

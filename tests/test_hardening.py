@@ -26,7 +26,7 @@ from test_resume import commit_all_rows, fake_result, make_job, run_cli
 from batchgen.cli import main
 from batchgen.engine import Engine, EngineArgs
 from batchgen.job import JobConfigError, load_job, prepare_job
-from batchgen.job.runner import check_input_unchanged, context_limit, execute_job, fingerprint_text
+from batchgen.job.runner import check_input_unchanged, execute_job, fingerprint_text
 from batchgen.job.schema import output_schema
 from batchgen.job.sink import FINGERPRINT_KEY, PartWriter
 from batchgen.models.loader import UnsupportedModelError, load_model
@@ -402,4 +402,103 @@ def test_text_columns_of_any_encoding_pass(tmp_path, prompt):
 def test_context_limit_names_the_limit(tiny_llama_dir, settings, expected):
     engine = Engine(EngineArgs(model=str(tiny_llama_dir), device="cpu", dtype="float32",  # 512 B/token
                                **{"kv_cache_memory": "1MiB", **settings}))
-    assert context_limit(engine) == expected
+    assert engine.context_limit == expected
+
+
+# -- found by probing the public contract: job files, per-row columns, output paths, usage errors ----------------------
+
+def plan_error(job: Path, *args: str) -> str:
+    """`batchgen plan`: exit 2, the one error line last."""
+    result = CliRunner().invoke(main, ["plan", str(job), *args])
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    return error_line(result.stderr)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    (b"model: default\nmodel: other\n", "invalid YAML (line 2, column 1): key 'model' is given twice (lines 1 and 2)"),
+    (b"input: {path: a.parquet, path: b.parquet}\n", "key 'path' is given twice"),
+    (b"\xff\xfe model: default\n", "the job file is not UTF-8 text (byte 0: b'\\xff')"),
+])
+def test_job_files_that_are_not_one_clean_mapping_are_job_errors(tmp_path, text, fragment):
+    job = tmp_path / "job.yaml"
+    job.write_bytes(text)
+    assert fragment in job_error(job)
+    assert fragment in plan_error(job)
+
+
+@pytest.mark.parametrize("column, values, expected", [
+    ("choice", ["", "yes,no"], "column 'choice' is string in "),  # once read as a list of characters
+    ("max_tokens", ["8", "9"], "column 'max_tokens' is string in "),  # once an error on every row
+    ("regex", [1, 2], "column 'regex' is int64 in "),
+])
+def test_per_row_sampling_columns_of_the_wrong_type_are_job_errors(tmp_path, column, values, expected):
+    job = make_job(tmp_path, 2)
+    pq.write_table(pa.table({"qid": ["a", "b"], "prompt": ["Yes or no?"] * 2, column: values}),
+                   tmp_path / "in.parquet")
+    for line in (job_error(job), plan_error(job)):
+        assert expected in line and f"as a per-row sampling.{column} it must hold" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_per_row_sampling_columns_of_the_right_types_pass(tmp_path):
+    job = make_job(tmp_path, 2)
+    pq.write_table(pa.table({"qid": ["a", "b"], "prompt": ["Yes or no?"] * 2, "max_tokens": [4.0, None],
+                             "temperature": pa.array([0, 1], pa.int32()), "choice": [["yes", "no"], []],
+                             "regex": pa.array(["[a-z]+", None]).dictionary_encode()}), tmp_path / "in.parquet")
+    prepare_job(load_job(job)).release()
+
+
+@pytest.mark.parametrize("input_path, output_path", [("in", "in/out"), ("in", "in"), ("in/**/*.parquet", "in/out"),
+                                                     ("in/*/*.parquet", "in/out")])
+def test_output_inside_the_input_is_a_job_error(tmp_path, input_path, output_path):
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"qid": ["a"], "prompt": ["hi"]}), tmp_path / "in" / "a.parquet")
+    job = set_keys(make_job(tmp_path, 1), input={"path": str(tmp_path / input_path)},
+                   output={"path": str(tmp_path / output_path)})
+    expected = f"{ERROR}output.path: {tmp_path / output_path} is inside the input ({tmp_path / input_path})"
+    assert job_error(job).startswith(expected)
+    assert plan_error(job).startswith(expected)
+    assert job_error(job, "--overwrite").startswith(expected)
+    assert (tmp_path / "in" / "a.parquet").exists()
+
+
+@pytest.mark.parametrize("input_path", ["in", "in/*.parquet", "in/**/*.parquet"])
+def test_output_beside_the_input_is_allowed(tmp_path, input_path):
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"qid": ["a"], "prompt": ["hi"]}), tmp_path / "in" / "a.parquet")
+    job = set_keys(make_job(tmp_path, 1), input={"path": str(tmp_path / input_path)},
+                   output={"path": str(tmp_path / "in-out")})
+    prepare_job(load_job(job)).release()
+
+
+def test_plan_finds_an_output_parent_that_is_a_file_as_run_does(tmp_path):
+    (tmp_path / "file").write_text("x")
+    job = set_keys(make_job(tmp_path, 2), output={"path": str(tmp_path / "file" / "out")})
+    line = plan_error(job)
+    assert line == job_error(job)
+    assert line.startswith(f"{ERROR}output.path: cannot write {tmp_path / 'file' / 'out'}: Not a directory")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run", "job.yaml", "--bogus"], "No such option '--bogus'"),
+    (["plan", "job.yaml", "--sample-rows", "0"], "Invalid value for '--sample-rows'"),
+    (["run", "job.yaml", "--cost-per-hour", "abc"], "Invalid value for '--cost-per-hour'"),
+    (["nosuch"], "No such command 'nosuch'"),
+    ([], "no command given"),
+])
+def test_usage_errors_end_with_the_error_line(args, fragment):
+    proc = subprocess.run([sys.executable, "-m", "batchgen", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert fragment in error_line(proc.stderr)
+    assert "Traceback" not in proc.stderr
+
+
+def test_plan_says_which_limit_a_too_long_prompt_hit_as_run_does(tmp_path):
+    from batchgen.job.plan import make_plan
+
+    job = make_job(tmp_path, 2, engine={"max_model_len": 24})
+    made = make_plan(load_job(job), False, 10, None, tmp_path / "no-archive.jsonl")
+    errors = [row.error for row in made.tokens.errors]
+    assert errors and all(error.startswith("prompt is too long: ") and
+                          error.endswith("tokens, and engine.max_model_len is 24 tokens (at least one must be left "
+                                         "to generate)") for error in errors), errors

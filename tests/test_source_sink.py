@@ -180,7 +180,7 @@ def test_bad_rows_become_errors_and_keep_their_place(tmp_path, tokenizer):
     assert errors[0] is None and rows[0].token_ids
     assert "prompt is null" in errors[1]
     assert errors[2] == "prompt is empty" and errors[3] == "prompt is empty"
-    assert "prompt is too long" in errors[4] and "context is 128 tokens" in errors[4]
+    assert "prompt is too long" in errors[4] and "context window is 128 tokens" in errors[4]
     assert rows[4].prompt_tokens > 128 and rows[4].token_ids is None
     assert "temperature must be >= 0" in errors[5]
     assert "max_tokens must be at least 1" in errors[6]

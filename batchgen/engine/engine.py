@@ -34,6 +34,7 @@ class Engine:
         self.kv_pool = setup.kv_pool
         self.kv_capacity = setup.kv_pool.tokens
         self.max_model_len = setup.max_model_len
+        self.context_limit = setup.context_limit  # which limit max_model_len is, e.g. "the KV cache holds N tokens"
         self.kv_cache_manager = KVCacheManager(self.kv_pool.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = setup.runner
@@ -171,9 +172,7 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
             return f"prompt token ids must be integers in [0, {self.vocab_size})"
         if len(ids) >= self.max_model_len:
-            limit = ("the KV cache holds" if self.max_model_len == self.kv_capacity < self.model.max_model_len
-                     else "the model's context window is")
-            return (f"prompt has {len(ids)} tokens but {limit} {self.max_model_len} tokens "
+            return (f"prompt is too long: {len(ids)} tokens, and {self.context_limit} "
                     f"(at least one must be left to generate)")
         if params.stop and self.tokenizer is None:
             return "stop strings need a tokenizer and this model has none"

@@ -43,6 +43,7 @@ class EngineSetup:
     eos_token_ids: list[int]
     kv_pool: KVPoolSize
     max_model_len: int  # the shortest of: asked for, the model's context, what the KV cache holds
+    context_limit: str  # which of them it is, e.g. "engine.max_model_len is 512 tokens"
     runner: ModelRunner
 
 
@@ -71,6 +72,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
     pool = kv_pool_size(model, args, dtype.dtype, device)
     max_model_len = context_length(args, model.max_model_len, pool.num_blocks)
+    limit = context_limit(args, model.max_model_len, pool.num_blocks)
     runner = ModelRunner(model, pool.num_blocks, args.block_size, dtype.dtype, device, eos, args.attention_backend)
     if device.type == "cpu":  # after the weights and the KV cache, which stay mapped apart
         keep_step_memory()
@@ -79,7 +81,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     if device.type == "cuda" and not args.enforce_eager:
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention)
     return EngineSetup(device, dtype, attention, tokenizer, model, num_parameters(model), weight_bytes(model), eos,
-                       pool, max_model_len, runner)
+                       pool, max_model_len, limit, runner)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -132,6 +134,16 @@ def check_attention_shape(args: EngineArgs, device: torch.device, dtype: torch.d
     if reason:
         raise SettingError("attention_backend", f"the Triton attention kernels cannot run this model on CUDA: "
                                                 f"{reason}; set attention_backend: torch (the torch reference)")
+
+
+def context_limit(args: EngineArgs, model_max_len: int, num_blocks: int) -> str:
+    """Which limit context_length's result is, for the error of a prompt that does not fit it."""
+    n = context_length(args, model_max_len, num_blocks)
+    if args.max_model_len == n:
+        return f"engine.max_model_len is {n} tokens"
+    if num_blocks * args.block_size == n < model_max_len:
+        return f"the KV cache holds {n} tokens (engine.kv_cache_memory)"
+    return f"the model's context window is {n} tokens"
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -172,8 +172,11 @@ def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfi
         raise JobConfigError(f"job file not found: {path}") from None
     except OSError as exc:
         raise JobConfigError(f"cannot read job file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise JobConfigError(f"{path}: the job file is not UTF-8 text (byte {exc.start}: "
+                             f"{exc.object[exc.start:exc.start + 1]!r})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_JobLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -186,6 +189,26 @@ def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfi
     for item in overrides:
         apply_override(raw, item)
     return parse_job(raw, base_dir=path.parent)
+
+
+class _JobLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key not in seen:
+                    seen[key] = key_node.start_mark.line
+                    continue
+            except TypeError:  # an unhashable key: the mapping's own construction reports it
+                continue
+            first = seen[key]
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (lines {first + 1} and {key_node.start_mark.line + 1})",
+                key_node.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -3,11 +3,16 @@ their types, the template's format specs, and every value of those columns decod
 error, not a failure hours into the run)."""
 from __future__ import annotations
 
+import fnmatch
 import glob
+import os
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+
+from batchgen.engine.request import SamplingParams
 
 from .config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
 from .parquet_read import InputReadError, first_line, open_parquet, scan_file
@@ -49,9 +54,37 @@ def _hidden(relative: Path) -> bool:
     return any(part.startswith((".", "_")) for part in relative.parts)
 
 
+def check_output_outside_input(input_path: str, output_path: str) -> None:
+    """Refuse an output directory that the input reads from (inside an input directory, or matched by an input
+    glob): a resume or a re-run would read its parts as input rows."""
+    out = Path(os.path.abspath(Path(output_path).expanduser()))
+    root = Path(os.path.abspath(Path(input_path).expanduser()))
+    if root.is_dir():
+        inside = out == root or root in out.parents
+    elif glob.has_magic(input_path):
+        inside = any(_glob_matches(root.parts, (out / name).parts) for name in ("part-00000.parquet",
+                                                                              "run-00000.parquet"))
+    else:
+        return
+    if inside:
+        raise JobConfigError(f"output.path: {output_path} is inside the input ({input_path}): a re-run would read "
+                             f"its parts as input rows; choose an output.path outside it")
+
+
+def _glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether glob.glob(pattern, recursive=True) would match the path `parts`, one component at a time."""
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_glob_matches(rest, parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], head) and _glob_matches(rest, parts[1:])
+
+
 def inspect_input(config: JobConfig) -> InputFiles:
     """Open every file's footer and check that the columns the job names exist, with one type across files and
     one the template's format specs suit; then decode the job's columns once (scan_input)."""
+    check_output_outside_input(config.input.path, config.output.path)
     files = find_input_files(config.input.path)
     row_counts, types = check_footers(config, files)
     if config.input.template is not None:
@@ -77,6 +110,7 @@ def check_footers(config: JobConfig, files: list[Path]) -> tuple[list[int], dict
                 raise JobConfigError(f"{key}: column {column!r} not found in {path} "
                                      f"(columns: {', '.join(schema.names)})")
         check_prompt_column_types(config, schema, path)
+        check_row_sampling_types(schema, path)
         for fld in schema:
             known = types.get(fld.name)
             if known is None or pa.types.is_null(known):
@@ -104,6 +138,46 @@ def check_prompt_column_types(config: JobConfig, schema: pa.Schema, path: Path) 
                                  f"it must hold {expected}")
 
 
+def check_row_sampling_types(schema: pa.Schema, path: Path) -> None:
+    """A per-row sampling column must hold its key's type (a number, a string, or for choice a list of strings):
+    any other would make every row an error row after the model loaded, or worse, a string choice read as a list
+    of its characters. An all-null column is let through (every row keeps the job's value)."""
+    for key in ROW_SAMPLING_KEYS:
+        if key not in schema.names:
+            continue
+        arrow_type = schema.field(key).type
+        kind = _ROW_SAMPLING_KINDS[key]
+        if not pa.types.is_null(arrow_type) and not _KIND_CHECKS[kind](arrow_type):
+            raise JobConfigError(f"input.path: column {key!r} is {arrow_type} in {path}; as a per-row sampling.{key} "
+                                 f"it must hold {kind} (or rename it: every input column named {key!r} is read as "
+                                 f"the row's sampling.{key})")
+
+
+def _row_sampling_kinds() -> dict[str, str]:
+    """Each per-row key's kind, from SamplingParams' type hints."""
+    hints = typing.get_type_hints(SamplingParams)
+    kinds = {}
+    for key in ROW_SAMPLING_KEYS:
+        types = typing.get_args(hints[key]) or (hints[key],)
+        if typing.get_origin(hints[key]) is list:
+            kinds[key] = "a list of strings"
+        elif int in types or float in types:
+            kinds[key] = "numbers"
+        else:
+            kinds[key] = "strings"
+    return kinds
+
+
+def _is_text_list(arrow_type: pa.DataType) -> bool:
+    listed = (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+              or pa.types.is_list_view(arrow_type) or pa.types.is_large_list_view(arrow_type))
+    return listed and _is_text(arrow_type.value_type)
+
+
+def _is_number(arrow_type: pa.DataType) -> bool:
+    return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
+
+
 def _is_text(arrow_type: pa.DataType) -> bool:
     if pa.types.is_dictionary(arrow_type):
         return _is_text(arrow_type.value_type)
@@ -120,6 +194,10 @@ def _is_messages(arrow_type: pa.DataType) -> bool:
     message = arrow_type.value_type
     return pa.types.is_struct(message) and all(
         message.get_field_index(name) >= 0 and _is_text(message.field(name).type) for name in ("role", "content"))
+
+
+_ROW_SAMPLING_KINDS = _row_sampling_kinds()
+_KIND_CHECKS = {"numbers": _is_number, "strings": _is_text, "a list of strings": _is_text_list}
 
 
 def scan_input(config: JobConfig, inputs: InputFiles) -> None:

@@ -79,7 +79,7 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
               archive: Path = Path("docs/performance-archive.jsonl")) -> Plan:
     """Every figure of the plan. Raises JobConfigError for a problem that leaves nothing to plan; the others (the
     output refused, memory short) are in `problems`."""
-    from batchgen.engine.startup import context_length, resolve_device, resolve_dtype
+    from batchgen.engine.startup import context_length, context_limit, resolve_device, resolve_dtype
     from batchgen.models.packed_linear import packing_supported
 
     job = inspect_job(config)  # prepare_job's checks, without taking the output (its lock, --overwrite's removal)
@@ -95,7 +95,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     baseline = memory.process_rss()  # what a run holds before its weights: see memory.py
     pool = size_kv_pool(config, shape, weights, dtype, device, rows_left)
     context = context_length(config.engine, shape.max_model_len, pool.num_blocks)
-    tokens = sample_tokens(config, inputs, tokenizer, context, sample_rows)
+    limit = context_limit(config.engine, shape.max_model_len, pool.num_blocks)
+    tokens = sample_tokens(config, inputs, tokenizer, context, limit, sample_rows)
     computed = sum(tokens.prompt) - (tokens.shared if config.engine.enable_prefix_caching else 0)
 
     step_tokens, activations = largest_step(config, shape, dtype, device, tokens, computed, inputs.total_rows,
@@ -209,13 +210,14 @@ def load_model_files(config: JobConfig):
     return model_dir, tokenizer, converted_now
 
 
-def sample_tokens(config: JobConfig, inputs: InputFiles, tokenizer, context: int, sample_rows: int) -> TokenStats:
+def sample_tokens(config: JobConfig, inputs: InputFiles, tokenizer, context: int, limit: str,
+                  sample_rows: int) -> TokenStats:
     """The first `sample_rows` rows through the job's own source: prompts built, tokenized and sorted."""
     total = inputs.total_rows
     sampled = min(sample_rows, total)
     skip = bytearray(total)  # the resume ledger's form: rows marked done are not read
     skip[sampled:] = b"\x01" * (total - sampled)
-    rows = list(read_source(config, inputs, tokenizer, context, skip))
+    rows = list(read_source(config, inputs, tokenizer, context, skip, context_limit=limit))
     ok = [row for row in rows if row.error is None]
     firsts = sorted(ok, key=lambda row: row.row)[:3]
     examples = [(row, tokenizer.decode(row.token_ids, skip_special_tokens=False)) for row in firsts]

@@ -88,14 +88,13 @@ class EngineReplica:
         import ray
         import torch
 
-        from .runner import context_limit
         from .source import PromptBuilder
 
         torch.set_num_threads(threads)
         self.config, self.inputs = config, inputs
         self.engine = self.make_engine(engine_args)
         self.builder = PromptBuilder(config, inputs, self.engine.tokenizer, self.engine.max_model_len,
-                                     context_limit(self.engine))
+                                     self.engine.context_limit)
         self.index = ray.get(counter.next.remote())
 
     def make_engine(self, engine_args: Any) -> Any:

@@ -43,6 +43,7 @@ def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool,
     where = f"output.path: {out.path}"
     if out.path.exists() and not out.path.is_dir():
         raise JobConfigError(f"{where} exists and is not a directory")
+    _check_writable(out.path)
     foreign = out.foreign_names()
     if foreign:
         raise JobConfigError(f"{where} holds files batchgen did not write ({', '.join(foreign[:3])}); "
@@ -63,6 +64,17 @@ def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool,
             raise JobConfigError(f"{where} holds {part.name} with other columns or types than this job writes; "
                                  f"re-run with --overwrite to start over")
     return None
+
+
+def _check_writable(path: Path) -> None:
+    """The directory, or the nearest folder above it that exists (where run creates it), can be written: the
+    messages are those of run's own attempt (output_errors), so that plan finds what run would."""
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    where = "" if existing == path.absolute() else f" ({existing})"
+    if not existing.is_dir():
+        raise JobConfigError(f"output.path: cannot write {path}: Not a directory{where}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise JobConfigError(f"output.path: cannot write {path}: Permission denied{where}")
 
 
 def _stored_fingerprint(schema: pa.Schema) -> dict:

@@ -283,7 +283,7 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
                     if on_start:
                         on_start(progress)
                     rows = read_source(config, job.inputs, engine.tokenizer, engine.max_model_len, done,
-                                       context_limit=context_limit(engine))
+                                       context_limit=engine.context_limit)
                     stream_rows(rows, engine.generate, writer, notify, json_schema=config.sampling.json_schema)
                     engine_stats = engine.stats()
         except BaseException:
@@ -325,17 +325,6 @@ def check_input_unchanged(job: PreparedJob) -> None:
     if changes:
         raise JobConfigError(f"input.path: {changes} while the job ran; its output may mix rows of both versions: "
                              f"re-run with --overwrite to start over")
-
-
-def context_limit(engine) -> str:
-    """Which limit engine.max_model_len is (the shortest of the one asked for, the model's context window and
-    what the KV cache holds), for the error of a prompt that does not fit."""
-    n = engine.max_model_len
-    if engine.args.max_model_len == n:
-        return f"engine.max_model_len is {n} tokens"
-    if engine.kv_capacity == n < engine.model.max_model_len:
-        return f"the KV cache holds {n} tokens (engine.kv_cache_memory)"
-    return f"the model's context window is {n} tokens"
 
 
 def _commit_quietly(writer: PartWriter) -> None:

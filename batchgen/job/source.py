@@ -169,7 +169,7 @@ class PromptBuilder:
         self.row_sampling_keys = [k for k in ROW_SAMPLING_KEYS if k in inputs.column_types]
         self.encoder = PromptEncoder(tokenizer, config.input.allow_special_tokens)
         self.max_model_len = max_model_len
-        self.context_limit = context_limit or f"the model's context is {max_model_len} tokens"
+        self.context_limit = context_limit or f"the model's context window is {max_model_len} tokens"
         # Rows without overrides share one params object (validated with the job); nothing mutates it.
         self.default_params = self.sampling.params()
 
@@ -196,7 +196,8 @@ class PromptBuilder:
         if not ids:
             row.error = "prompt is empty after tokenization"
         elif self.max_model_len is not None and len(ids) >= self.max_model_len:
-            row.error = f"prompt is too long: {len(ids)} tokens, {self.context_limit}"
+            row.error = f"prompt is too long: {len(ids)} tokens, and {self.context_limit} (at least one must be " \
+                        f"left to generate)"
         else:
             row.token_ids = ids
         if row.error:
