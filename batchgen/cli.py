@@ -38,8 +38,8 @@ class BatchgenGroup(click.Group):
                 click.echo(f"Try '{ctx.command_path} --help' for help.", err=True)
             click.echo(f"batchgen: error: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("batchgen: error: aborted", err=True)
+        except click.Abort:  # Ctrl-C before a command's own handling began
+            click.echo("batchgen: error: interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)
 
 
@@ -68,25 +68,31 @@ def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | N
 
     if executor is not None:
         overrides = (*overrides, f"executor.kind={executor}")
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="batchgen: %(message)s")
-    with reported_failures(debug):
-        prepared = prepare_job(load_job(job, overrides), overwrite=overwrite)
-        prepared.cost_per_hour = cost_per_hour
-    if prepared.complete is not None:
-        click.echo(f"batchgen: {prepared.out.path} is already complete ({prepared.complete.get('rows', 0)} rows); "
-                   f"nothing to do (--overwrite runs it again)", err=True)
-        sys.exit(EXIT_OK)
-
+    configure_logging(quiet)
     bar = ProgressBar(disable=quiet or not sys.stderr.isatty())
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # a scheduler's kill: commit what finished
     try:
         with reported_failures(debug, before_exit=bar.close):
+            prepared = prepare_job(load_job(job, overrides), overwrite=overwrite)
+            prepared.cost_per_hour = cost_per_hour
+            if prepared.complete is not None:
+                click.echo(f"batchgen: {prepared.out.path} is already complete ({prepared.complete.get('rows', 0)} "
+                           f"rows); nothing to do (--overwrite runs it again)", err=True)
+                return
             summary = execute_job(prepared, on_progress=bar.update, on_start=bar.start)
     finally:
         signal.signal(signal.SIGTERM, previous)
     bar.close()
     if not quiet:
         click.echo(summary_table(summary, str(prepared.out.path)), err=True)
+
+
+def configure_logging(quiet: bool) -> None:
+    """batchgen's own messages at INFO (WARNING with --quiet); other libraries' only from WARNING, so that none of
+    their INFO lines (torch's at exit, say) lands after a failure's last line."""
+    logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
+    for name in ("batchgen", "batchgen_kernels"):
+        logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.INFO)
 
 
 def _comma_list(ctx, param, value: str) -> tuple[str, ...]:

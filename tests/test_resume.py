@@ -126,10 +126,13 @@ def fake_result(row: int) -> Result:
                   first_scheduled_time=t, first_token_time=t + 0.1, finish_time=t + 0.2)
 
 
-def commit_all_rows(job_path: Path, rows: int, *, order=None) -> None:
-    """What an earlier run had committed when it died: every row, in part files."""
+def commit_all_rows(job_path: Path, rows: int, *, order=None, rows_per_part: int = 2,
+                    sort_by_row: bool = True) -> None:
+    """What an earlier run had committed when it died: every row (or those of `order`, in that order), in part
+    files; sort_by_row=False as a run with `output.order: completion` writes them."""
     prepared = prepare_job(load_job(job_path))
-    writer = PartWriter(prepared.out, prepared.schema, fingerprint_text(prepared.fingerprint), 2, 60.0, True)
+    writer = PartWriter(prepared.out, prepared.schema, fingerprint_text(prepared.fingerprint), rows_per_part, 60.0,
+                        sort_by_row)
     for row in order or range(rows):
         writer.add(row, f"q{row:03d}", (), fake_result(row))
     writer.commit()
@@ -211,3 +214,104 @@ def test_overwrite_discards_committed_rows(tmp_path):
     prepared = prepare_job(load_job(job, ["sampling.max_tokens=3"]), overwrite=True)
     prepared.release()
     assert list((tmp_path / "out").iterdir()) == []
+
+
+# -- found by probing crashes and resumes ----------------------------------------------------------------------------
+
+def test_completion_order_parts_finish_in_input_order(tmp_path):
+    """A run with order: completion died after committing everything; the re-run asks for input order (order may
+    differ between runs). Every row once, in input order: the final rewrite must not assume sorted parts."""
+    order = [5, 0, 3, 7, 1, 6, 2, 8, 4]
+    job = make_job(tmp_path, 9, output={"rows_per_part": 2})
+    commit_all_rows(job, 9, order=order, rows_per_part=3, sort_by_row=False)
+    assert [pq.read_table(p)["_row"].to_pylist() for p in run_parts(tmp_path / "out")] == [[5, 0, 3], [7, 1, 6],
+                                                                                            [2, 8, 4]]
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 0, result.output
+    table = pl.read_parquet(tmp_path / "out" / "*.parquet")
+    assert table["id"].to_list() == [f"q{row:03d}" for row in range(9)]
+    assert table["text"].to_list() == [f"committed {row}" for row in range(9)]
+    assert json.loads((tmp_path / "out" / "_SUCCESS").read_text())["rows"] == 9
+
+
+def test_a_failure_while_writing_success_leaves_nothing_in_the_output(tmp_path, monkeypatch):
+    """A full disk (or a crash) while _SUCCESS is written: its half-written scratch is not in output.path, so the
+    re-run finishes the job instead of refusing a file it does not know."""
+    job = make_job(tmp_path, 4)
+    commit_all_rows(job, 4)
+    real_fsync = sink_module._fsync
+
+    def disk_full(path):
+        if path.name == "_SUCCESS.inprogress":
+            raise OSError(28, "No space left on device")
+        real_fsync(path)
+
+    monkeypatch.setattr(sink_module, "_fsync", disk_full)
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 1 and "No space left on device" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+    monkeypatch.setattr(sink_module, "_fsync", real_fsync)
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((tmp_path / "out" / "_SUCCESS").read_text())["rows"] == 4
+
+
+def test_a_success_scratch_left_by_an_older_version_is_batchgens(tmp_path):
+    job = make_job(tmp_path, 3)
+    commit_all_rows(job, 3)
+    (tmp_path / "out" / "_SUCCESS.inprogress").write_text('{"rows": ')
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 0, result.stderr
+    assert not (tmp_path / "out" / "_SUCCESS.inprogress").exists()
+    assert json.loads((tmp_path / "out" / "_SUCCESS").read_text())["rows"] == 3
+
+
+def test_a_run_that_finished_while_this_one_took_the_lock_is_not_redone(tmp_path, monkeypatch):
+    """Overlapping runs: B checks the output while A still runs, A finishes (and removes the temp directory, lock
+    and all), then B locks. B must see the finished job, not start it again over A's parts."""
+    job = make_job(tmp_path, 4)
+    commit_all_rows(job, 4)
+    real_lock = runner.lock_output
+
+    def lock_after_the_other_run_finished(out):
+        finished = run_cli(job, "--quiet")  # "A": finalizes the committed rows
+        assert finished.returncode == 0, finished.stderr
+        return real_lock(out)
+
+    monkeypatch.setattr(runner, "lock_output", lock_after_the_other_run_finished)
+    prepared = prepare_job(load_job(job))
+    assert prepared.complete is not None and prepared.complete["rows"] == 4 and prepared.lock_fd is None
+    assert not (tmp_path / ".out.batchgen-tmp").exists()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_SUCCESS", "part-00000.parquet",
+                                                                   "part-00001.parquet"]
+
+
+def test_max_model_len_is_part_of_the_job(tmp_path):
+    """A shorter context cuts rows short: resuming under another max_model_len would mix rows of both."""
+    job = make_job(tmp_path, 4)
+    commit_all_rows(job, 4, order=[0, 1])
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet", "--set", "engine.max_model_len=42"])
+    assert result.exit_code == 2
+    assert "holds rows of a different job (max_model_len changed)" in result.stderr
+
+
+EARLY_SIGTERM = """
+import os, signal, sys, time
+import batchgen.job
+from batchgen.cli import main
+
+def prepare_job(config, overwrite=False):
+    os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's kill while the input is still being checked
+    time.sleep(30)
+
+batchgen.job.prepare_job = prepare_job
+main(sys.argv[1:])
+"""
+
+
+def test_sigterm_before_the_model_loads_exits_130_with_the_error_line(tmp_path):
+    job = make_job(tmp_path, 2)
+    proc = subprocess.run([sys.executable, "-c", EARLY_SIGTERM, "run", str(job), "--quiet"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.strip().splitlines()[-1].startswith("batchgen: error: interrupted")

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -195,6 +196,8 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[s
         "keep_columns": list(config.output.keep_columns),
         # int8 weights change the results; absent when off, so outputs written before the setting still resume
         **({"quantization": config.engine.quantization} if config.engine.quantization else {}),
+        # a shorter context cuts rows short (finish_reason length); absent when unset, for the same reason
+        **({"max_model_len": config.engine.max_model_len} if config.engine.max_model_len else {}),
     }
 
 
@@ -215,9 +218,15 @@ def fingerprint_text(fingerprint: dict[str, Any]) -> str:
 
 
 def take_output(job: PreparedJob, overwrite: bool) -> None:
-    """Lock the output, clear it (--overwrite) and read what earlier runs committed."""
+    """Lock the output, clear it (--overwrite) and read what earlier runs committed. The output is checked again
+    once locked: a run that held the lock may have finished it (or committed more) since the first check."""
     job.lock_fd = lock_output(job.out)
     try:
+        job.complete = check_output(job.out, job.fingerprint, overwrite, job.run_schema)
+        if job.complete is not None:  # finished by the run that held the lock: leave no temp directory behind
+            shutil.rmtree(job.out.tmp, ignore_errors=True)  # while locked, so that no other run holds this lock
+            job.release()
+            return
         if overwrite:
             job.out.remove_outputs()
         if job.out.pending_plan() is None:
@@ -229,21 +238,38 @@ def take_output(job: PreparedJob, overwrite: bool) -> None:
 
 def lock_output(out: OutputDir) -> int:
     """One run per output at a time (a cron overlap must not interleave parts). The lock dies with the process."""
-    out.tmp.mkdir(parents=True, exist_ok=True)
-    out.path.mkdir(exist_ok=True)
-    fd = os.open(out.tmp / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    out.path.mkdir(parents=True, exist_ok=True)
+    fd = _locked_file(out)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with tempfile.TemporaryFile(dir=out.path, prefix=".batchgen-probe-"):
             pass  # a read-only output directory fails now, not at the first commit
         out.prepare_tmp()
-    except BlockingIOError:
-        os.close(fd)
-        raise JobConfigError(f"output.path: another batchgen run is writing {out.path}") from None
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _locked_file(out: OutputDir) -> int:
+    """The lock file, opened and locked. A run that finishes removes the temp directory with the lock in it: a
+    lock taken on that removed file would lock nothing, so the file locked must still be the one at the path."""
+    path = out.tmp / "lock"
+    for _ in range(10):
+        out.tmp.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.exists(path) and os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except BlockingIOError:
+            os.close(fd)
+            raise JobConfigError(f"output.path: another batchgen run is writing {out.path}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # removed or replaced after we opened it: open the one there now
+    raise JobConfigError(f"output.path: the lock file {path} keeps being replaced; is another batchgen run "
+                         f"starting and finishing on {out.path}?")
 
 
 # -- the run -------------------------------------------------------------------------------------------------------

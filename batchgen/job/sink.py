@@ -39,6 +39,9 @@ from .schema import ID_COLUMN, JSON_COLUMN, OUTPUT_COLUMNS, RESULT_COLUMNS, ROW_
 FINGERPRINT_KEY = b"batchgen.fingerprint"
 SUCCESS = "_SUCCESS"
 PLAN = "_PLAN.json"
+# Where older versions half-wrote _SUCCESS (its scratch now lives in the temp directory): batchgen's own, removed when
+# a run takes the output.
+LEFTOVER_SUCCESS_SCRATCH = SUCCESS + ".inprogress"
 RUN_PART = re.compile(r"run-(\d+)\.parquet")
 FINAL_PART = re.compile(r"part-(\d+)\.parquet")
 
@@ -131,7 +134,7 @@ class OutputDir:
         """Files batchgen did not write (hidden files aside). Its names are not enough: a part file is batchgen's
         when it carries a fingerprint, _SUCCESS when it holds batchgen's summary. A part file whose footer cannot
         be read is neither: DamagedFileError."""
-        names = [n for n in self.names() if not n.startswith(".")]
+        names = [n for n in self.names() if not n.startswith(".") and n != LEFTOVER_SUCCESS_SCRATCH]
         unknown = [n for n in names if n != SUCCESS and not _is_part_name(n)]
         return unknown or [n for n in names if not self.carries_fingerprint(n)]
 
@@ -185,6 +188,7 @@ class OutputDir:
         self.tmp.mkdir(parents=True, exist_ok=True)
         for stray in self.tmp.glob("*.inprogress"):
             stray.unlink()
+        (self.path / LEFTOVER_SUCCESS_SCRATCH).unlink(missing_ok=True)
 
     def remove_outputs(self) -> None:
         """--overwrite: remove everything batchgen wrote (never foreign files)."""
@@ -278,8 +282,9 @@ def atomic_write(table: pa.Table, out: OutputDir, name: str, row_group_size: int
     _fsync(target.parent)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    scratch = path.with_name(path.name + ".inprogress")
+def atomic_write_text(path: Path, text: str, scratch_dir: Path | None = None) -> None:
+    """Write `path` whole or not at all; the half-written scratch file lives in `scratch_dir` (default: beside it)."""
+    scratch = (scratch_dir or path.parent) / (path.name + ".inprogress")
     scratch.write_text(text)
     _fsync(scratch)
     os.replace(scratch, path)
@@ -365,16 +370,18 @@ def apply_plan(out: OutputDir) -> dict:
         if (out.staging / name).exists():
             os.replace(out.staging / name, out.path / name)
     _fsync(out.path)
-    atomic_write_text(out.path / SUCCESS, json.dumps(plan["success"], indent=2) + "\n")
+    # scratch in the temp directory: a crash or a full disk here must not leave a file in the output
+    atomic_write_text(out.path / SUCCESS, json.dumps(plan["success"], indent=2) + "\n", scratch_dir=out.tmp)
     shutil.rmtree(out.tmp, ignore_errors=True)
     return plan["success"]
 
 
 def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -> Iterator[pa.Table]:
-    """The committed rows in input order, `rows_per_part` input positions per table (with their samples). Run parts
-    are sorted by `_row` and their row groups carry min/max statistics: walking the ranges in order, each row group is
-    read once, when the first range it overlaps comes up, and dropped after the last one. Memory follows the sort window
-    (how far apart rows committed together lie in the input), not the output size."""
+    """The committed rows in input order, `rows_per_part` input positions per table (with their samples). Row groups
+    carry min/max statistics of `_row` and are sorted by it when read (an `order: completion` run wrote them
+    unsorted): walking the ranges in order, each row group is read once, when the first range it overlaps comes up,
+    and dropped after the last one. Memory follows the sort window (how far apart rows committed together lie in the
+    input), not the output size."""
     groups = []  # (min row, max row, part, row group index)
     for part in run_parts:
         metadata = pq.ParquetFile(part).metadata
@@ -389,7 +396,7 @@ def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -
         stop = start + rows_per_part
         while loaded < len(groups) and groups[loaded][0] < stop:
             high, part, i = groups[loaded][1:]
-            table = read_part(part, row_group=i)
+            table = in_row_order(read_part(part, row_group=i))  # unsorted if written with order: completion
             active.append((high, table, table[ROW_COLUMN].to_numpy()))
             loaded += 1
         pieces = []
