@@ -502,3 +502,17 @@ def test_plan_says_which_limit_a_too_long_prompt_hit_as_run_does(tmp_path):
     assert errors and all(error.startswith("prompt is too long: ") and
                           error.endswith("tokens, and engine.max_model_len is 24 tokens (at least one must be left "
                                          "to generate)") for error in errors), errors
+
+
+def test_a_glob_of_partition_directories_reads_their_files(tmp_path):
+    for day, rows in (("2026-01-01", ["a", "b"]), ("2026-01-02", ["c"])):
+        (tmp_path / "data" / f"date={day}").mkdir(parents=True)
+        pq.write_table(pa.table({"qid": rows, "prompt": ["hi"] * len(rows)}),
+                       tmp_path / "data" / f"date={day}" / "part-0.parquet")
+    job = set_keys(make_job(tmp_path, 1), input={"path": str(tmp_path / "data" / "date=2026-*")})
+    prepared = prepare_job(load_job(job))
+    prepared.release()
+    assert [p.parent.name for p in prepared.inputs.files] == ["date=2026-01-01", "date=2026-01-02"]
+    assert prepared.inputs.total_rows == 3
+    set_keys(job, output={"path": str(tmp_path / "data" / "date=2026-01-03")})  # matched by the glob itself
+    assert "is inside the input" in job_error(job)

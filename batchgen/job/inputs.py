@@ -35,19 +35,26 @@ class InputFiles:
 
 def find_input_files(path: str) -> list[Path]:
     """A file, a directory (its *.parquet files, recursively, skipping hidden and _-prefixed names as pyarrow
-    does) or a glob; sorted by path."""
+    does) or a glob of files and directories (e.g. hive partitions: data/date=2026-*); sorted by path."""
     root = Path(path).expanduser()
     if root.is_file():
         return [root]
     if root.is_dir():
-        files = [p for p in root.rglob("*.parquet") if p.is_file() and not _hidden(p.relative_to(root))]
+        files = _directory_files(root)
     elif glob.has_magic(path):
-        files = [Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file()]
+        files = []
+        for match in map(Path, glob.glob(str(root), recursive=True)):
+            files += [match] if match.is_file() else _directory_files(match) if match.is_dir() else []
+        files = list(dict.fromkeys(files))  # a recursive glob can match a file and its directory
     else:
         raise JobConfigError(f"input.path: no such file or directory: {path}")
     if not files:
         raise JobConfigError(f"input.path: no Parquet files found at {path}")
     return sorted(files, key=str)
+
+
+def _directory_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*.parquet") if p.is_file() and not _hidden(p.relative_to(root))]
 
 
 def _hidden(relative: Path) -> bool:
@@ -61,9 +68,9 @@ def check_output_outside_input(input_path: str, output_path: str) -> None:
     root = Path(os.path.abspath(Path(input_path).expanduser()))
     if root.is_dir():
         inside = out == root or root in out.parents
-    elif glob.has_magic(input_path):
-        inside = any(_glob_matches(root.parts, (out / name).parts) for name in ("part-00000.parquet",
-                                                                              "run-00000.parquet"))
+    elif glob.has_magic(input_path):  # the glob matches a part file, or the output or a folder above it
+        candidates = [out / "part-00000.parquet", out / "run-00000.parquet", out, *out.parents]
+        inside = any(_glob_matches(root.parts, candidate.parts) for candidate in candidates)
     else:
         return
     if inside:
