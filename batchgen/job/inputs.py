@@ -175,10 +175,13 @@ def _row_sampling_kinds() -> dict[str, str]:
     return kinds
 
 
+def _is_list(arrow_type: pa.DataType) -> bool:
+    return (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+            or pa.types.is_list_view(arrow_type) or pa.types.is_large_list_view(arrow_type))
+
+
 def _is_text_list(arrow_type: pa.DataType) -> bool:
-    listed = (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
-              or pa.types.is_list_view(arrow_type) or pa.types.is_large_list_view(arrow_type))
-    return listed and _is_text(arrow_type.value_type)
+    return _is_list(arrow_type) and _is_text(arrow_type.value_type)
 
 
 def _is_number(arrow_type: pa.DataType) -> bool:
@@ -195,8 +198,7 @@ def _is_text(arrow_type: pa.DataType) -> bool:
 def _is_messages(arrow_type: pa.DataType) -> bool:
     if pa.types.is_null(arrow_type):
         return True
-    if not (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
-            or pa.types.is_list_view(arrow_type) or pa.types.is_large_list_view(arrow_type)):
+    if not _is_list(arrow_type):
         return False
     message = arrow_type.value_type
     return pa.types.is_struct(message) and all(
