@@ -4,6 +4,7 @@ loads (one line naming the key, file or column), 1 for a failure while running (
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import sys
 import time
@@ -17,6 +18,19 @@ import batchgen
 from batchgen.bench.system_types import DTYPES as BENCH_DTYPES
 
 EXIT_OK, EXIT_RUNTIME, EXIT_JOB, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class PositivePrice(click.FloatRange):
+    """A price per hour: a finite number above 0 (nan and inf would end up in _SUCCESS, which must stay JSON)."""
+
+    def __init__(self):
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 class BatchgenGroup(click.Group):
@@ -59,7 +73,7 @@ def main() -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary.")
 @click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
               help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
-@click.option("--cost-per-hour", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
+@click.option("--cost-per-hour", type=PositivePrice(), default=None, metavar="USD",
               help="Price of this machine per hour: _SUCCESS then records cost_per_hour and tokens_per_dollar.")
 def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | None, quiet: bool, debug: bool,
         cost_per_hour: float | None) -> None:
@@ -219,7 +233,7 @@ def bench_roofline(job: str | None, dtype: str | None, batches: tuple[int, ...],
 @click.option("--overwrite", is_flag=True, help="Plan a run with --overwrite (nothing is removed).")
 @click.option("--sample-rows", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Rows read, built and tokenized for the token statistics (the first ones of the input).")
-@click.option("--cost-per-hour", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
+@click.option("--cost-per-hour", type=PositivePrice(), default=None, metavar="USD",
               help="Price of this machine per hour: the plan adds the job's cost and output tokens per dollar.")
 @click.option("--archive", default=None, metavar="PATH",
               help="The bench archive the time estimate comes from [default: docs/performance-archive.jsonl, "
@@ -241,8 +255,12 @@ def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int
     if archive is None:
         here = Path("docs/performance-archive.jsonl")
         archive = here if here.is_file() else Path(batchgen.__file__).parents[1] / here
-    with reported_failures(debug, resumable=False):
-        made = make_plan(load_job(job, overrides), overwrite, sample_rows, cost_per_hour, Path(archive))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # killed while blocked: still one error line
+    try:
+        with reported_failures(debug, resumable=False):
+            made = make_plan(load_job(job, overrides), overwrite, sample_rows, cost_per_hour, Path(archive))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     click.echo(format_plan(made, job))
     for warning in made.warnings:
         click.echo(f"batchgen: warning: {warning}", err=True)

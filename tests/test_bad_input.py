@@ -8,8 +8,10 @@ Most runs go through the CLI in-process with the model load replaced by an echo 
 result's text is its prompt), so that a wrong row shows; the UTF-8 rows also run on the default model."""
 from __future__ import annotations
 
+import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -337,3 +339,93 @@ def test_random_corruption_never_gives_a_traceback_or_a_wrong_row(tmp_path, load
     for row in rows:
         if row["finish_reason"] != "error":
             assert (row["text"], row["src"]) == expected[row["id"]]
+
+
+# -- special files and expanding values (issue 22): the same property, for what the job names ---------------------
+
+SPECIAL_KINDS = ("fifo", "dev-zero", "dev-urandom", "directory", "symlink-to-zero", "oversized", "socket")
+ALIAS_SHAPES = ("bomb", "self", "deep")
+VALUE_KEYS = ("sampling.stop", "sampling.json_schema", "sampling.choice", "input.template", "input.system_prompt",
+              "engine.max_num_seqs", "output.keep_columns")
+
+
+def make_special(path: Path, kind: str) -> None:
+    """Something that is not a small regular file, at `path`."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "oversized":  # sparse: above every cap without taking the disk
+        with open(path, "wb") as file:
+            file.truncate(1 << 30)
+    elif kind == "socket":
+        import socket
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))  # closed at once: the socket file stays
+        server.close()
+    else:
+        path.symlink_to("/dev/urandom" if kind == "dev-urandom" else "/dev/zero")
+
+
+def expanding_value(shape: str, rng: random.Random) -> str:
+    """YAML text of a value that is small as written and huge or endless once expanded."""
+    if shape == "self":
+        return "&loop [x, *loop]"
+    if shape == "deep":
+        depth = rng.randint(70, 400)
+        return "[" * depth + "x" + "]" * depth
+    levels = rng.randint(6, 9)
+    text = "&l1 [" + ", ".join(["lol"] * 9) + "]"
+    for level in range(2, levels + 1):
+        text = f"&l{level} [{text}, " + ", ".join([f"*l{level - 1}"] * 8) + "]"
+    return text
+
+
+@pytest.fixture
+def deadline():
+    """A blocked read (a FIFO waits for a writer) fails the test instead of hanging the suite."""
+    def expire(signum, frame):
+        raise TimeoutError("still running after 30 s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(30)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_special_files_and_expanding_values_are_job_errors_never_hangs(tmp_path, loader, deadline, seed):
+    """Whichever file the job names is a FIFO, a device, a directory, a socket or huge, and whichever value is a
+    YAML alias that expands without end or nests hundreds deep: exit 2 with one line naming it, at once, before
+    the model loads and before anything is written."""
+    rng = random.Random(seed)
+    source = write(tmp_path / "in.parquet", questions(4))
+    out = tmp_path / "out"
+    job = tmp_path / "job.yaml"
+    target = rng.choice(["job file", "schema file", "input", "value"])
+    if target == "value":
+        key = rng.choice(VALUE_KEYS)
+        section, name = key.split(".")
+        raw = echo_job(source, out)
+        raw.setdefault(section, {}).pop(name, None)
+        rest = yaml.safe_dump({k: v for k, v in raw.items() if k != section}, default_flow_style=False)
+        body = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in raw[section].items())  # JSON values are YAML
+        job.write_text(f"{rest}{section}:\n{body}  {name}: {expanding_value(rng.choice(ALIAS_SHAPES), rng)}\n")
+        expected = key
+    else:
+        special = tmp_path / "special.data"
+        kind = rng.choice(SPECIAL_KINDS)
+        make_special(special, kind)
+        if target == "job file":
+            job = special
+            expected = f"job file: {special}"
+        elif target == "schema file":
+            job.write_text(yaml.safe_dump(echo_job(source, out, sampling={"json_schema_file": str(special)})))
+            expected = f"sampling.json_schema_file: {special}"
+        else:
+            job.write_text(yaml.safe_dump(echo_job(special, out)))
+            expected = "input.path: "  # a directory holding no Parquet file is an input too, an empty one
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    line = error_line(result, 2)
+    assert expected in line and (target == "value" or str(tmp_path / "special.data") in line), (target, line)
+    assert loader.engines == [] and not out.exists()

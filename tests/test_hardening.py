@@ -417,11 +417,12 @@ def plan_error(job: Path, *args: str) -> str:
 @pytest.mark.parametrize("text, fragment", [
     (b"model: default\nmodel: other\n", "invalid YAML (line 2, column 1): key 'model' is given twice (lines 1 and 2)"),
     (b"input: {path: a.parquet, path: b.parquet}\n", "key 'path' is given twice"),
-    (b"\xff\xfe model: default\n", "the job file is not UTF-8 text (byte 0: b'\\xff')"),
+    (b"\xff\xfe model: default\n", "job file: {job}: not UTF-8 text (byte 0: b'\\xff')"),
 ])
 def test_job_files_that_are_not_one_clean_mapping_are_job_errors(tmp_path, text, fragment):
     job = tmp_path / "job.yaml"
     job.write_bytes(text)
+    fragment = fragment.format(job=job)
     assert fragment in job_error(job)
     assert fragment in plan_error(job)
 

@@ -16,7 +16,7 @@ from batchgen.engine.request import Result
 from batchgen.job import sink as sink_module
 from batchgen.job.config import JobConfigError, parse_job
 from batchgen.job.schema import OUTPUT_COLUMNS, ROW_COLUMN, output_schema
-from batchgen.job.sink import OutputDir, PartWriter, RowTotals, apply_plan, finalize
+from batchgen.job.sink import SCRATCH_MARK, OutputDir, PartWriter, RowTotals, apply_plan, finalize
 from batchgen.job.inputs import find_input_files, inspect_input
 from batchgen.job.source import SourceRow, read_source, sort_windows
 
@@ -434,4 +434,4 @@ def test_output_dir_classifies_files(tmp_path):
     out.prepare_tmp()
     (out.tmp / "run-00004.parquet.inprogress").write_text("half")
     out.remove_outputs()
-    assert out.names() == [".DS_Store", "part-00001.parquet"] and list(out.tmp.iterdir()) == []
+    assert out.names() == [".DS_Store", "part-00001.parquet"] and [p.name for p in out.tmp.iterdir()] == [SCRATCH_MARK]

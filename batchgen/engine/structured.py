@@ -24,9 +24,38 @@ def _xgrammar(key: str):
     return xgrammar
 
 
-def check_constraint(key: str, text: str) -> None:
-    """Raise SettingError naming `key` when `text` is not a well-formed constraint of its kind."""
-    _parse(key, text)
+def check_constraint(key: str, text: str, quote_values: bool = True) -> None:
+    """Raise SettingError naming `key` when `text` is not a well-formed constraint of its kind. quote_values=False:
+    the message shows no string of the text (a schema file may be a credentials file given by mistake)."""
+    try:
+        _parse(key, text)
+    except SettingError as exc:
+        if quote_values or not str(exc).startswith(_COMPILE_ERROR.format(key=key)):
+            raise
+        raise SettingError(key, _without_values(str(exc), text)) from None  # xgrammar's words, not the file's
+
+
+_COMPILE_ERROR = "{key} does not compile: "
+
+
+def _without_values(message: str, text: str) -> str:
+    """`message` with every string value of the JSON `text` in it replaced by '…' (its keys stay: they are the
+    path to what is wrong)."""
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):
+        return message
+    values, stack = set(), [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            values.add(node)
+        elif isinstance(node, (dict, list)):
+            stack.extend(node.values() if isinstance(node, dict) else node)
+    for value in sorted(values, key=len, reverse=True):
+        if len(value) >= 3:
+            message = message.replace(value, "…")
+    return message
 
 
 @functools.lru_cache(maxsize=256)
@@ -39,14 +68,86 @@ def _parse(key: str, text: str) -> Any:
             schema = json.loads(text)
         except ValueError as exc:
             raise SettingError(key, f"json_schema is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise SettingError(key, f"json_schema is nested more than {MAX_SCHEMA_DEPTH} levels deep") from None
         if not isinstance(schema, dict):
             raise SettingError(key, f"json_schema must be a JSON object (a schema), got {type(schema).__name__}")
+        problem = schema_problem(schema)
+        if problem is not None:
+            raise SettingError(key, f"json_schema is not a JSON schema: {problem}")
     build = {"regex": xgr.Grammar.from_regex, "json_schema": xgr.Grammar.from_json_schema,
              "grammar": xgr.Grammar.from_ebnf}[key]
     try:
         return build(text)
     except Exception as exc:  # xgrammar raises RuntimeError with its C++ source location first
-        raise SettingError(key, f"{key} does not compile: {_message(exc)}") from None
+        raise SettingError(key, _COMPILE_ERROR.format(key=key) + _message(exc)) from None
+
+
+# JSON schema keywords whose values are schemas, lists of schemas, or mappings of names to schemas.
+_SUBSCHEMA = ("additionalProperties", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedProperties", "unevaluatedItems", "items")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+MAX_SCHEMA_DEPTH = 64
+
+
+def schema_problem(schema: Any) -> str | None:
+    """The first place where `schema` is not a JSON schema, as its JSON path and what is wrong there, without
+    quoting a value; None when its structure is sound. xgrammar checks the rest when it compiles it."""
+    stack = [(schema, "$", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"at {path}: nested more than {MAX_SCHEMA_DEPTH} levels deep"
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            return f"at {path}: a schema must be an object or true/false, not {_json_kind(node)}"
+        kind = node.get("type")
+        if kind is not None and not (kind in JSON_TYPES if isinstance(kind, str) else isinstance(kind, list)
+                                     and kind and all(isinstance(k, str) and k in JSON_TYPES for k in kind)):
+            return f"at {path}.type: not a JSON type name ({', '.join(JSON_TYPES)}) or a list of them"
+        required = node.get("required")
+        if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            return f"at {path}.required: must be a list of property names"
+        if "enum" in node and not isinstance(node["enum"], list):
+            return f"at {path}.enum: must be a list"
+        for word, value in node.items():
+            where = f"{path}.{word}"
+            if word in _SUBSCHEMA_MAPS:
+                if not isinstance(value, dict):
+                    return f"at {where}: must be an object of schemas"
+                stack.extend((child, _member(where, name), depth + 1) for name, child in value.items())
+            elif word in _SUBSCHEMA_LISTS and isinstance(value, list):
+                stack.extend((child, f"{where}[{i}]", depth + 1) for i, child in enumerate(value))
+            elif word in _SUBSCHEMA_LISTS and word not in _SUBSCHEMA:
+                return f"at {where}: must be a list of schemas"
+            elif word in _SUBSCHEMA:
+                stack.append((value, where, depth + 1))
+            elif _depth(value) > MAX_SCHEMA_DEPTH - depth:
+                return f"at {where}: nested more than {MAX_SCHEMA_DEPTH} levels deep"
+    return None
+
+
+def _member(path: str, name: str) -> str:
+    return f"{path}.{name}" if name.isidentifier() else f"{path}[{json.dumps(name)}]"
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in a JSON value (an enum's or a const's), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth <= MAX_SCHEMA_DEPTH and isinstance(node, (dict, list)):
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def _json_kind(value: Any) -> str:
+    return {str: "a string", int: "a number", float: "a number", list: "a list", type(None): "null"}.get(
+        type(value), type(value).__name__)
 
 
 def _message(exc: Exception) -> str:
@@ -126,7 +227,7 @@ class GrammarCompiler:
                 return self._compiler.compile_regex(text)
             return self._compiler.compile_grammar(text)
         except Exception as exc:
-            raise SettingError(key, f"{key} does not compile: {_message(exc)}") from None
+            raise SettingError(key, _COMPILE_ERROR.format(key=key) + _message(exc)) from None
 
 
 class TokenBitmask:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import string
 import typing
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ from batchgen.engine.errors import SettingError
 from batchgen.engine.request import CONSTRAINT_KEYS, SamplingParams
 from batchgen.engine.structured import check_constraint
 
-from .keys import JobConfigError, keys_of, plain, read_keys
+from batchgen.user_files import JOB_FILE_LIMIT, SCHEMA_FILE_LIMIT, UserFileError, read_user_text
+
+from .keys import MAX_JOB_DEPTH, JobConfigError, check_bounded, job_key, keys_of, plain, read_keys
 from .schema import OUTPUT_COLUMNS, ROW_COLUMN
 
 log = logging.getLogger(__name__)
@@ -166,17 +169,17 @@ def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfi
     """Read a job file, apply `--set key.path=value` overrides and validate. Files the job names
     (sampling.json_schema_file) are found relative to the job file's directory."""
     path = Path(path)
+    if not os.path.lexists(path):
+        raise JobConfigError(f"job file not found: {path}")
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise JobConfigError(f"job file not found: {path}") from None
-    except OSError as exc:
-        raise JobConfigError(f"cannot read job file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise JobConfigError(f"{path}: the job file is not UTF-8 text (byte {exc.start}: "
-                             f"{exc.object[exc.start:exc.start + 1]!r})") from None
+        text = read_user_text(path, JOB_FILE_LIMIT)
+    except UserFileError as exc:
+        raise JobConfigError(f"job file: {exc}") from None
     try:
         raw = yaml.load(text, Loader=_JobLoader)
+    except _TooDeep as exc:
+        raise JobConfigError(f"{exc.key}: nested more than {MAX_JOB_DEPTH} levels deep ({path}, line "
+                             f"{exc.mark.line + 1})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -191,8 +194,28 @@ def load_job(path: str | Path, overrides: typing.Sequence[str] = ()) -> JobConfi
     return parse_job(raw, base_dir=path.parent)
 
 
+class _TooDeep(yaml.YAMLError):
+    """A job file nested deeper than MAX_JOB_DEPTH, under job key `key`."""
+
+    def __init__(self, key: str, mark):
+        super().__init__(key)
+        self.key, self.mark = key, mark
+
+
 class _JobLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one silently)."""
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one silently) and
+    nesting deeper than a job's values may be (YAML's composer recurses once per level)."""
+
+    def compose_node(self, parent, index):
+        # a mapping's value is composed with its key's node as `index`, a list's item with its position
+        path = self.__dict__.setdefault("_path", [])
+        path.append(f".{index.value}" if isinstance(index, yaml.ScalarNode) else f"[{index}]")
+        try:
+            if len(path) > MAX_JOB_DEPTH + 1:
+                raise _TooDeep(job_key("".join(path[1:]).lstrip(".")), self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            path.pop()
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -218,7 +241,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or not key or any(not part for part in key.split(".")):
         raise JobConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. engine.max_num_seqs=64")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.load(text, Loader=_JobLoader) if text.strip() else None
     except yaml.YAMLError:
         value = text
     if isinstance(value, dict):  # "Be brief: answer" is text, not a mapping; lists ([a, b]) stay lists
@@ -238,6 +261,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 def parse_job(raw: dict[str, Any], base_dir: Path | None = None) -> JobConfig:
     """The job from its raw mapping; `base_dir` is where relative paths of files the job names are found (default:
     the current directory)."""
+    check_bounded(raw)
     values = read_keys(JOB_KEYS, _with_schema_text(raw), prefix="")
     values["sampling"] = _sampling(values["sampling"], base_dir)
     engine = values.pop("engine")
@@ -288,12 +312,12 @@ def _sampling(values: dict[str, Any], base_dir: Path | None) -> SamplingConfig:
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise JobConfigError(f"{key}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        text = read_user_text(path, SCHEMA_FILE_LIMIT)
+    except UserFileError as exc:
+        raise JobConfigError(f"{key}: {exc}") from None
     try:
-        check_constraint("json_schema", text)
-    except SettingError as exc:
+        check_constraint("json_schema", text, quote_values=False)  # a file's contents are not echoed: it may be
+    except SettingError as exc:                                     # a credentials file given by mistake
         raise JobConfigError(f"{key}: {path}: {exc}") from None
     return SamplingConfig(**values, json_schema=text)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchgen.engine.request import SamplingParams
+from batchgen.user_files import UserFileError, check_regular_file
 
 from .config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
 from .parquet_read import InputReadError, first_line, open_parquet, scan_file
@@ -39,6 +40,11 @@ def find_input_files(path: str) -> list[Path]:
     root = Path(path).expanduser()
     if root.is_file():
         return [root]
+    if os.path.exists(root) and not root.is_dir():  # a FIFO or a device: never opened
+        try:
+            check_regular_file(root)
+        except UserFileError as exc:
+            raise JobConfigError(f"input.path: {exc}") from None
     if root.is_dir():
         files = _directory_files(root)
     elif glob.has_magic(path):
@@ -63,19 +69,31 @@ def _hidden(relative: Path) -> bool:
 
 def check_output_outside_input(input_path: str, output_path: str) -> None:
     """Refuse an output directory that the input reads from (inside an input directory, or matched by an input
-    glob): a resume or a re-run would read its parts as input rows."""
-    out = Path(os.path.abspath(Path(output_path).expanduser()))
-    root = Path(os.path.abspath(Path(input_path).expanduser()))
+    glob): a resume or a re-run would read its parts as input rows. Real paths are compared: a symlink on either
+    side does not hide it."""
+    out = Path(os.path.realpath(Path(output_path).expanduser()))
+    root = Path(os.path.realpath(Path(input_path).expanduser()))
     if root.is_dir():
         inside = out == root or root in out.parents
     elif glob.has_magic(input_path):  # the glob matches a part file, or the output or a folder above it
         candidates = [out / "part-00000.parquet", out / "run-00000.parquet", out, *out.parents]
-        inside = any(_glob_matches(root.parts, candidate.parts) for candidate in candidates)
+        patterns = {root.parts, Path(os.path.abspath(Path(input_path).expanduser())).parts}
+        inside = any(_glob_matches(pattern, candidate.parts) for pattern in patterns for candidate in candidates)
     else:
         return
     if inside:
         raise JobConfigError(f"output.path: {output_path} is inside the input ({input_path}): a re-run would read "
                              f"its parts as input rows; choose an output.path outside it")
+
+
+def check_input_outside_output(files: list[Path], output_path: str) -> None:
+    """Refuse input files inside the output directory (say, an earlier job's parts read from where this job
+    writes): --overwrite would delete the input, a re-run would read this job's own rows."""
+    out = Path(os.path.realpath(Path(output_path).expanduser()))
+    for path in files:
+        if out in Path(os.path.realpath(path)).parents:
+            raise JobConfigError(f"input.path: {path} is inside output.path ({output_path}), where this job writes; "
+                                 f"copy it elsewhere or choose another output.path")
 
 
 def _glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
@@ -93,6 +111,7 @@ def inspect_input(config: JobConfig) -> InputFiles:
     one the template's format specs suit; then decode the job's columns once (scan_input)."""
     check_output_outside_input(config.input.path, config.output.path)
     files = find_input_files(config.input.path)
+    check_input_outside_output(files, config.output.path)
     row_counts, types = check_footers(config, files)
     if config.input.template is not None:
         check_template_specs(config.input.template, types)

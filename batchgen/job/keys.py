@@ -6,12 +6,58 @@ import difflib
 import math
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Any, Iterator, Literal, Union
 
 
 class JobConfigError(ValueError):
     """A problem with the job itself (its file, keys, values, input or output location), found before the
     model loads. The message is one line and names the key, file or column."""
+
+
+# Bounds on a job's values as they would be written out. YAML aliases repeat what they refer to: a few hundred
+# bytes of chained aliases expand to billions of items once written as JSON (sampling.json_schema) or walked;
+# and a structure nested hundreds deep overflows the recursion of every reader after this one.
+MAX_JOB_ITEMS = 1_000_000  # values, keys and list items, counted as often as aliases repeat them
+MAX_JOB_TEXT = 64 * 2**20  # characters of strings, counted the same way
+MAX_JOB_DEPTH = 64  # mappings and lists inside one another, the job's own sections included
+
+
+def check_bounded(raw: Any) -> None:
+    """Refuse a job whose values, expanded as a JSON writer would expand them, are larger or deeper than the
+    bounds above, naming the key where the bound was crossed. The walk stops at the bound, so its own time and
+    memory are bounded too, whatever the aliases multiply to (a self-referencing alias is infinitely deep)."""
+    items = text = 0
+    stack: list[Iterator[tuple[str, Any]]] = [iter([("", raw)])]  # one iterator of (key, value) per open level
+    while stack:
+        entry = next(stack[-1], None)
+        if entry is None:
+            stack.pop()
+            continue
+        key, value = entry
+        items += 1
+        text += len(value) if isinstance(value, str) else 0
+        where = job_key(key)
+        if items > MAX_JOB_ITEMS or text > MAX_JOB_TEXT:
+            raise JobConfigError(f"{where}: the job's values expand to more than {MAX_JOB_ITEMS:,} items or "
+                                 f"{MAX_JOB_TEXT // 2**20} MiB of text (YAML aliases repeat what they refer to); "
+                                 f"write a large schema to sampling.json_schema_file")
+        if not isinstance(value, (dict, list)):
+            continue
+        if len(stack) > MAX_JOB_DEPTH:
+            raise JobConfigError(f"{where}: nested more than {MAX_JOB_DEPTH} levels deep (a YAML alias that "
+                                 f"refers to itself, or a structure too deep to be a job's value)")
+        stack.append(_children(key, value))
+
+
+def job_key(path: str) -> str:
+    """The job key a value's path lies under (sampling.json_schema for sampling.json_schema.enum[3][0])."""
+    return ".".join(path.split("[")[0].split(".")[:2]) or "the job file"
+
+
+def _children(key: str, value: dict | list) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return ((f"{key}.{name}" if key else str(name), child) for name, child in value.items())
+    return ((f"{key}[{i}]", child) for i, child in enumerate(value))
 
 
 def keys_of(cls: type, skip: tuple[str, ...] = ()) -> dict[str, tuple[Any, bool]]:

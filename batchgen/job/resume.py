@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 
 from .config import JobConfigError
-from .sink import FINGERPRINT_KEY, RUN_PART, DamagedFileError, OutputDir
+from .sink import FINGERPRINT_KEY, RUN_PART, TMP_SUFFIX, DamagedFileError, OutputDir
 
 # The Parquet tail: a 4-byte little-endian footer length, then the magic bytes.
 _TAIL = 8
@@ -44,6 +44,7 @@ def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool,
     if out.path.exists() and not out.path.is_dir():
         raise JobConfigError(f"{where} exists and is not a directory")
     _check_writable(out.path)
+    check_location(out)
     foreign = out.foreign_names()
     if foreign:
         raise JobConfigError(f"{where} holds files batchgen did not write ({', '.join(foreign[:3])}); "
@@ -64,6 +65,27 @@ def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool,
             raise JobConfigError(f"{where} holds {part.name} with other columns or types than this job writes; "
                                  f"re-run with --overwrite to start over")
     return None
+
+
+def check_location(out: OutputDir) -> None:
+    """An output is never nested in another job's output (or another's in it), and its temp directory is never a
+    directory someone else put there: batchgen would write into, or delete, what is not its own."""
+    where = f"output.path: {out.path}"
+    if out.real.name.endswith(TMP_SUFFIX):
+        raise JobConfigError(f"{where}: names ending in {TMP_SUFFIX} are batchgen's temporary directories; "
+                             f"choose another output.path")
+    if not out.tmp_is_ours():
+        raise JobConfigError(f"{where}: {out.tmp}, where batchgen keeps this output's temporary files, is not "
+                             f"batchgen's (another job's output, or files batchgen did not put there); move it "
+                             f"away or choose another output.path")
+    enclosing = out.enclosing_output()
+    if enclosing is not None:
+        raise JobConfigError(f"{where} is inside {enclosing}, another batchgen job's output (its readers would read "
+                             f"these rows too); choose an output.path outside it")
+    nested = out.nested_output()
+    if nested is not None:
+        raise JobConfigError(f"{where} holds {nested}, another batchgen job's output (readers of this output "
+                             f"would read its rows too); choose another output.path")
 
 
 def _check_writable(path: Path) -> None:

@@ -255,7 +255,7 @@ def _locked_file(out: OutputDir) -> int:
     lock taken on that removed file would lock nothing, so the file locked must still be the one at the path."""
     path = out.tmp / "lock"
     for _ in range(10):
-        out.tmp.mkdir(parents=True, exist_ok=True)
+        out.make_tmp()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -6,7 +6,9 @@ Layout of `output.path` while a job runs:
 and once it has finished:
     part-00000.parquet ...  the output, without `_row`
     _SUCCESS                the run summary (JSON)
-Anything not yet committed lives in the sibling directory `.<name>.batchgen-tmp/`, removed after success.
+Anything not yet committed lives in the sibling directory `.<name>.batchgen-tmp/` (beside the output's real path),
+removed after success. It holds a mark naming its output: a directory there without it is someone else's, and
+batchgen neither writes into nor removes it.
 The committed run parts are the ledger: their `_row` columns say which input rows are done (with n > 1 samples per
 row, a row's samples are always committed in the same part, so a done row has all of them).
 
@@ -42,6 +44,8 @@ PLAN = "_PLAN.json"
 # Where older versions half-wrote _SUCCESS (its scratch now lives in the temp directory): batchgen's own, removed when
 # a run takes the output.
 LEFTOVER_SUCCESS_SCRATCH = SUCCESS + ".inprogress"
+TMP_SUFFIX = ".batchgen-tmp"
+SCRATCH_MARK = "batchgen-scratch.json"  # in the temp directory: {"output": the output's real path}
 RUN_PART = re.compile(r"run-(\d+)\.parquet")
 FINAL_PART = re.compile(r"part-(\d+)\.parquet")
 
@@ -118,8 +122,51 @@ class OutputDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.tmp = self.path.parent / f".{self.path.name}.batchgen-tmp"
+        # one temp directory (and lock) per real directory, whichever symlinked path names it
+        self.real = Path(os.path.realpath(self.path))
+        self.tmp = self.real.parent / f".{self.real.name}{TMP_SUFFIX}"
         self.staging = self.tmp / "final"
+
+    # -- whose files are where --------------------------------------------------------------------------------
+
+    def tmp_is_ours(self) -> bool:
+        """The temp directory is this output's: absent, marked as this output's, or left by an older batchgen
+        (unmarked, holding only what batchgen puts there)."""
+        if not os.path.lexists(self.tmp):
+            return True
+        if self.tmp.is_symlink() or not self.tmp.is_dir():
+            return False
+        mark = self.tmp / SCRATCH_MARK
+        if mark.is_file():
+            try:
+                return json.loads(mark.read_text()).get("output") == str(self.real)
+            except (ValueError, OSError, AttributeError):
+                return False
+        return all(_is_scratch_entry(entry) for entry in self.tmp.iterdir())
+
+    def make_tmp(self) -> None:
+        """Create the temp directory (once tmp_is_ours said it may) and mark it as this output's."""
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        if not (self.tmp / SCRATCH_MARK).is_file():
+            atomic_write_text(self.tmp / SCRATCH_MARK, json.dumps({"output": str(self.real)}))
+
+    def enclosing_output(self) -> Path | None:
+        """A directory above this output that holds another job's output (or is batchgen's temp directory)."""
+        for parent in self.real.parents:
+            if parent.name.endswith(TMP_SUFFIX) or is_output_dir(parent):
+                return parent
+        return None
+
+    def nested_output(self) -> Path | None:
+        """Another job's output inside this one, in a hidden directory (a visible one is a foreign name)."""
+        for name in self.names():
+            top = self.path / name
+            if not name.startswith(".") or top.is_symlink() or not top.is_dir():
+                continue
+            for folder, _, _ in os.walk(top):
+                if is_output_dir(Path(folder)):
+                    return Path(folder)
+        return None
 
     def names(self) -> list[str]:
         return sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
@@ -185,7 +232,7 @@ class OutputDir:
 
     def prepare_tmp(self) -> None:
         """Create the temp directory; drop half-written files a killed run left there."""
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.make_tmp()
         for stray in self.tmp.glob("*.inprogress"):
             stray.unlink()
         (self.path / LEFTOVER_SUCCESS_SCRATCH).unlink(missing_ok=True)
@@ -198,6 +245,36 @@ class OutputDir:
         if self.staging.exists():
             shutil.rmtree(self.staging)
         self.prepare_tmp()
+
+
+def _is_scratch_entry(entry: Path) -> bool:
+    """What batchgen puts in a temp directory: the lock, half-written files, the final parts being staged."""
+    if entry.is_symlink():
+        return False
+    if entry.name == "lock" or entry.name.endswith(".inprogress"):
+        return entry.is_file()
+    if entry.name == "final" and entry.is_dir():
+        return all(not p.is_symlink() and p.is_file() and (FINAL_PART.fullmatch(p.name) or p.name == PLAN
+                                                           or p.name.endswith(".inprogress")) for p in entry.iterdir())
+    return False
+
+
+def is_output_dir(path: Path) -> bool:
+    """Whether `path` holds a batchgen job's output, finished or not: its _SUCCESS, a part file carrying a
+    fingerprint, or a temp directory marked as its own (a run that has committed nothing yet)."""
+    out = OutputDir(path)
+    try:
+        if not path.is_dir():
+            return False
+        if "fingerprint" in (out.success() or {}):
+            return True
+        part = next((name for name in out.names() if _is_part_name(name)), None)
+        if part is not None and out.carries_fingerprint(part):
+            return True
+        mark = out.tmp / SCRATCH_MARK
+        return mark.is_file() and json.loads(mark.read_text()).get("output") == str(out.real)
+    except (OSError, ValueError, AttributeError, DamagedFileError):  # unreadable: not provably an output
+        return False
 
 
 class PartWriter:
