@@ -1,4 +1,10 @@
-"""Find a model on disk (converting a GGUF once into a cached safetensors directory) and load it into our modules."""
+"""Find a model on disk (converting a GGUF once into a cached safetensors directory) and load it into our modules.
+
+Every file of a model directory that batchgen or transformers reads must be a regular file (a FIFO would block the
+read forever), its config and tokenizer files no larger than batchgen.user_files' caps. A converted GGUF in the cache
+carries a manifest of its files' sizes, written last; an entry that fails the cheap check (sizes, safetensors
+headers) is converted again, and one that passes it but still cannot be loaded is named, with the advice to delete
+it."""
 from __future__ import annotations
 
 import hashlib
@@ -9,14 +15,17 @@ import os
 import shutil
 import struct
 import tempfile
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
+
+from batchgen.user_files import (MODEL_CONFIG_LIMIT, TOKENIZER_FILE_LIMIT, UserFileError, check_regular_file,
+                                 read_user_text)
 
 from .llama import LlamaForCausalLM
 from .quantization import quantize_model
@@ -36,8 +45,22 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # The smallest encodings of a GGUF metadata entry and tensor info, to tell a header's counts from random bytes.
 _GGUF_MIN_ENTRY_BYTES, _GGUF_MIN_TENSOR_INFO_BYTES = 13, 24
 
-__all__ = ["ModelError", "ModelNotFoundError", "ModelWeightsError", "cache_root", "eos_token_ids", "load_model",
-           "load_tokenizer", "locate_model", "resolve_model"]
+# The files of a model directory that batchgen or transformers reads, and the most each may hold (*.safetensors:
+# regular files of any size; additional_chat_templates/*.jinja: as chat_template.jinja).
+MODEL_FILE_LIMITS = {
+    "config.json": MODEL_CONFIG_LIMIT, "generation_config.json": MODEL_CONFIG_LIMIT,
+    "tokenizer_config.json": MODEL_CONFIG_LIMIT, "special_tokens_map.json": MODEL_CONFIG_LIMIT,
+    "added_tokens.json": MODEL_CONFIG_LIMIT, "chat_template.jinja": MODEL_CONFIG_LIMIT,
+    "chat_template.json": MODEL_CONFIG_LIMIT, "tokenizer.json": TOKENIZER_FILE_LIMIT,
+    "tokenizer.model": TOKENIZER_FILE_LIMIT, "vocab.json": TOKENIZER_FILE_LIMIT, "merges.txt": TOKENIZER_FILE_LIMIT,
+}
+# A converted model's list of its files and their sizes, written last (json: {"files": {name: bytes}}).
+CACHE_MANIFEST = "batchgen-manifest.json"
+# safetensors refuses headers above 100 MB; a length field above that is damage.
+_SAFETENSORS_MAX_HEADER = 100 * 2**20
+
+__all__ = ["CacheDirError", "ModelError", "ModelNotFoundError", "ModelWeightsError", "cache_root", "check_model_files",
+           "eos_token_ids", "load_model", "load_tokenizer", "locate_model", "resolve_model", "writable_cache_dir"]
 
 
 class ModelNotFoundError(ModelError):
@@ -48,25 +71,58 @@ class ModelWeightsError(ModelError):
     """The checkpoint's tensors do not match the model its config describes."""
 
 
+class CacheDirError(ModelError):
+    """batchgen's cache directory (BATCHGEN_CACHE_DIR, or ~/.cache/batchgen) cannot be created or written."""
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
+
+
+def writable_cache_dir(name: str) -> Path:
+    """cache_root()/name, created if need be and checked writable: else a CacheDirError naming the setting."""
+    setting = os.environ.get("BATCHGEN_CACHE_DIR")
+    try:
+        root = cache_root()
+    except RuntimeError as exc:  # no HOME, and no passwd entry to find a home in
+        raise CacheDirError(f"batchgen's cache directory cannot be found ({exc}); set BATCHGEN_CACHE_DIR") from None
+    where = (f"BATCHGEN_CACHE_DIR={setting}" if setting else
+             f"the cache directory {root} (~/.cache/batchgen; BATCHGEN_CACHE_DIR sets another)")
+    directory = root / name
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        reason = (f"{root} is not a directory" if root.exists() and not root.is_dir() else
+                  f"{directory} cannot be {'written' if directory.is_dir() else 'created'} ({exc.strerror or exc})")
+        raise CacheDirError(f"{where} cannot hold converted models: {reason}; set BATCHGEN_CACHE_DIR to a writable "
+                            f"directory") from None
+    return directory
 
 
 def resolve_model(ref: str | os.PathLike) -> Path:
     """A local HF-style directory (config.json, *.safetensors, tokenizer) for `ref`: "default", a directory or
     a .gguf file (converted once, then cached)."""
     path = find_model(ref)
-    return path if path.is_dir() else _converted_gguf(path)
+    if path.is_dir():
+        check_model_files(path)
+        return path
+    return _converted_gguf(path)
 
 
 def locate_model(ref: str | os.PathLike) -> Path:
-    """find_model, then cheap checks of what is there (nothing loaded or converted): an HF directory's config.json
-    names a supported architecture and *.safetensors weights are there; a .gguf file has a GGUF header."""
+    """find_model, then cheap checks of what is there (nothing loaded or converted): an HF directory's files are
+    regular files, its config.json names a supported architecture and *.safetensors weights are there; a .gguf file
+    has a GGUF header, and its conversion is in the cache or the cache can take it."""
     path = find_model(ref)
     if path.is_dir():
         check_model_dir(path)
-    elif str(ref) != "default":
+        return path
+    if str(ref) != "default":
         check_gguf_header(path)
+    if _entry_problem(_cache_entry(path)) is not None:
+        writable_cache_dir("gguf")
     return path
 
 
@@ -76,28 +132,54 @@ def find_model(ref: str | os.PathLike) -> Path:
         return _default_gguf()
     path = Path(ref).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):  # one that is there but not a regular file: check_model_files
             raise ModelNotFoundError(f"directory {path} has no config.json (expected an HF model directory)")
         return path
-    if path.is_file() and path.suffix == ".gguf":
+    if path.exists() and path.suffix == ".gguf":
+        _check_file(path)
         return path
-    if path.is_file():
+    if path.exists():
         raise ModelNotFoundError(f"{ref} is not a .gguf file (give a .gguf or an HF model directory)")
     raise ModelNotFoundError(f"{str(ref)!r} not found (expected \"default\", an HF model directory or a .gguf file)")
 
 
 def check_model_dir(path: Path) -> None:
-    """The architecture first (a GPT-2 directory is unsupported, whatever else it lacks), then the weights."""
-    config_file = path / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except ValueError as exc:
-        raise ModelError(f"{config_file} is not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ModelError(f"{config_file} is not a JSON object")
-    model_variant(SimpleNamespace(**config))
+    """The files' kinds and sizes, the architecture (a GPT-2 directory is unsupported, whatever else it lacks), then
+    the weights."""
+    check_model_files(path)
+    model_variant(SimpleNamespace(**_read_json(path / "config.json")))
     if not any(path.glob("*.safetensors")):
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
+
+
+def check_model_files(path: Path) -> None:
+    """Each file of the directory that batchgen or transformers reads, where present, is a regular file under its
+    cap (MODEL_FILE_LIMITS), checked before anything reads it: a FIFO or a device would block or never end."""
+    files = [(path / name, limit) for name, limit in MODEL_FILE_LIMITS.items() if os.path.lexists(path / name)]
+    files += [(file, MODEL_CONFIG_LIMIT) for file in sorted((path / "additional_chat_templates").glob("*.jinja"))]
+    files += [(file, None) for file in sorted(path.glob("*.safetensors"))]
+    for file, limit in files:
+        _check_file(file, limit)
+
+
+def _check_file(path: Path, limit: int | None = None) -> int:
+    try:
+        return check_regular_file(path, limit)
+    except UserFileError as exc:
+        raise ModelError(str(exc)) from None
+
+
+def _read_json(path: Path, limit: int = MODEL_CONFIG_LIMIT) -> dict:
+    """A model directory's JSON object file, read after the regular-file and size checks."""
+    try:
+        value = json.loads(read_user_text(path, limit))
+    except UserFileError as exc:
+        raise ModelError(str(exc)) from None
+    except ValueError as exc:
+        raise ModelError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ModelError(f"{path} is not a JSON object")
+    return value
 
 
 def check_gguf_header(path: Path) -> None:
@@ -132,33 +214,115 @@ def _default_gguf() -> Path:
     return path
 
 
-def _converted_gguf(gguf: Path) -> Path:
-    """The cached safetensors conversion of `gguf`, made on first use. The cache key covers the file's path, size
-    and mtime, so a changed file gets a fresh conversion; the write goes to a temp dir renamed into place, so
-    concurrent processes never see (or leave) a half-written directory."""
+def _cache_entry(gguf: Path) -> Path:
+    """Where the conversion of `gguf` is cached. The key covers the file's path, size and mtime, so a changed file
+    gets a fresh conversion."""
     gguf = gguf.resolve()
     stat = gguf.stat()
     key = hashlib.sha256(f"{_CONVERSION_FORMAT}\0{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    root = cache_root() / "gguf"
-    target = root / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """The cached safetensors conversion of `gguf`, made on first use, and made again where the cached one fails
+    its check. The write goes to a temp dir renamed into place, so concurrent processes never see (or leave) a
+    half-written directory."""
+    target = _cache_entry(gguf)
+    problem = _entry_problem(target)
+    if problem is None:
         logger.debug("using converted model %s (cache; safe to delete)", target)
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    root = writable_cache_dir("gguf")
+    if os.path.lexists(target):
+        logger.warning("the converted model %s in batchgen's cache is damaged (%s); converting %s again",
+                       target, problem, gguf)
+        _discard(target, root)
     logger.info("converting %s to safetensors once, into %s; later runs reuse it. Deleting %s is safe: it is "
                 "rebuilt when needed.", gguf, target, root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
     try:
-        _convert_gguf(gguf, tmp)
+        _convert_gguf(gguf.resolve(), tmp)
+        _write_manifest(tmp)
         try:
             os.replace(tmp, target)
         except OSError:
-            if not (target / "config.json").is_file():
+            if _entry_problem(target) is not None:
                 raise
             # Another process finished the same conversion first; use theirs.
+    except OSError as exc:  # a full disk, a cache made read-only meanwhile
+        raise CacheDirError(f"cannot write the conversion of {gguf} into {root}: {exc}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _write_manifest(entry: Path) -> None:
+    files = {file.name: file.stat().st_size for file in sorted(entry.iterdir()) if file.is_file()}
+    (entry / CACHE_MANIFEST).write_text(json.dumps({"files": files}, indent=1, sort_keys=True) + "\n")
+
+
+def _entry_problem(entry: Path) -> str | None:
+    """What is wrong with a cached conversion, checked cheaply (no hashing), or None: with a manifest, every file
+    it lists has its size; without one (written by an earlier version), config.json and tokenizer.json parse.
+    Either way config.json is a JSON object and each safetensors header ends where its file ends."""
+    if not os.path.lexists(entry):
+        return "not converted yet"
+    if not entry.is_dir():
+        return "not a directory"
+    try:
+        if os.path.lexists(entry / CACHE_MANIFEST):
+            files = _read_json(entry / CACHE_MANIFEST).get("files")
+            if not isinstance(files, dict) or not all(isinstance(size, int) for size in files.values()):
+                return f"{CACHE_MANIFEST} is not a manifest"
+            for name, size in files.items():
+                actual = _check_file(entry / name)
+                if actual != size:
+                    return f"{name} is {actual:,} bytes, {size:,} when it was written"
+        elif os.path.lexists(entry / "tokenizer.json"):
+            _read_json(entry / "tokenizer.json", TOKENIZER_FILE_LIMIT)
+        _read_json(entry / "config.json")
+        for file in sorted(entry.glob("*.safetensors")):
+            problem = _safetensors_problem(file)
+            if problem:
+                return f"{file.name} {problem}"
+    except ModelError as exc:
+        return str(exc)
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Whether the file's size is what its header says (8 bytes of header length, the JSON header, the data)."""
+    size = _check_file(path)
+    with open(path, "rb") as file:
+        head = file.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if length is None or length > _SAFETENSORS_MAX_HEADER or 8 + length > size:
+            return "is cut short (no complete header)"
+        try:
+            header = json.loads(file.read(length))
+            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                      default=0)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return "has a damaged header"
+    if not isinstance(end, int):
+        return "has a damaged header"
+    if 8 + length + end != size:
+        return f"is {size:,} bytes where its header says {8 + length + end:,} (cut short or damaged)"
+    return None
+
+
+def _discard(entry: Path, root: Path) -> None:
+    """Move a damaged entry out of the way (atomically: a concurrent run sees it or nothing), then delete it."""
+    trash = Path(tempfile.mkdtemp(prefix=f".{entry.name}.damaged-", dir=root))
+    try:
+        os.replace(entry, trash / entry.name)
+    except FileNotFoundError:
+        pass  # another process moved it first
+    except OSError as exc:
+        raise CacheDirError(f"the damaged cache entry {entry} cannot be removed ({exc.strerror or exc}); "
+                            f"delete it") from None
+    finally:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -216,12 +380,13 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
 
     model_dir = Path(model_dir)
     device = torch.device(device)
-    config = AutoConfig.from_pretrained(model_dir)
+    with _reading(model_dir, "config.json"):
+        config = AutoConfig.from_pretrained(model_dir)
     variant = model_variant(config)  # before the weights: an unsupported architecture is what to report
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
-    with ExitStack() as stack:
+    with _reading(model_dir, "weights", (OSError, SafetensorError, ModelWeightsError)), ExitStack() as stack:
         shard_of: dict[str, object] = {}  # checkpoint tensor name → the open (memory-mapped) shard holding it
         for file in files:
             shard = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
@@ -306,9 +471,11 @@ def load_tokenizer(model_dir: Path):
     ids alone and returns empty texts)."""
     from transformers import AutoTokenizer
 
-    if not any((Path(model_dir) / name).is_file() for name in _TOKENIZER_FILES):
+    if not any(os.path.lexists(Path(model_dir) / name) for name in _TOKENIZER_FILES):
         return None
-    return AutoTokenizer.from_pretrained(model_dir)
+    with _reading(model_dir, "tokenizer"):
+        check_model_files(Path(model_dir))
+        return AutoTokenizer.from_pretrained(model_dir)
 
 
 def eos_token_ids(model_dir: Path, tokenizer=None) -> list[int]:
@@ -316,11 +483,42 @@ def eos_token_ids(model_dir: Path, tokenizer=None) -> list[int]:
     ids: list[int] = []
     for file in ("generation_config.json", "config.json"):
         path = Path(model_dir) / file
-        if path.is_file():
-            ids += _as_ids(json.loads(path.read_text()).get("eos_token_id"))
+        if os.path.lexists(path):
+            with _reading(model_dir, file):
+                ids += _as_ids(_read_json(path).get("eos_token_id"))
     if tokenizer is not None:
         ids += _as_ids(tokenizer.eos_token_id)
     return list(dict.fromkeys(ids))
+
+
+@contextmanager
+def _reading(model_dir: Path, what: str, errors: tuple[type[BaseException], ...] = (Exception,)):
+    """A failure to read `what` of the model directory as a ModelError naming it (a job error, not a crash). For a
+    conversion in batchgen's cache that passed its check, the advice is to delete it: it is converted again."""
+    try:
+        yield
+    except (MemoryError, torch.OutOfMemoryError):
+        raise
+    except errors as exc:
+        cached = _is_cache_entry(model_dir)
+        if isinstance(exc, ModelError):
+            if not cached:
+                raise
+            detail = str(exc)
+        else:
+            text = str(exc).strip().splitlines()
+            detail = f"{type(exc).__name__}{': ' + text[0] if text else ''}"
+            if not cached:
+                raise ModelError(f"{model_dir}: cannot read its {what} ({detail})") from exc
+        raise ModelError(f"the converted model {model_dir} in batchgen's cache cannot be loaded ({what}: {detail}); "
+                         f"delete that directory and run again: it is converted afresh") from exc
+
+
+def _is_cache_entry(model_dir: Path) -> bool:
+    try:
+        return Path(model_dir).resolve().parent == (cache_root() / "gguf").resolve()
+    except RuntimeError:  # no home directory: no default cache either
+        return False
 
 
 def _as_ids(value) -> list[int]:

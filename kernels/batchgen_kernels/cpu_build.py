@@ -5,17 +5,22 @@ needs ninja for `load`, and two source files need no build system) and cached un
 `$BATCHGEN_CACHE_DIR/kernels/<key>/` (default `~/.cache/batchgen`, where converted models go too). The key hashes
 everything the binary depends on: the source, torch's version and C++ ABI, the compiler's identity, the flags and the
 CPU's feature flags (`-march=native` code built on an AVX-512 machine must not run on an AVX2-only one). A failed
-build (no compiler, a compiler error, a library that does not load) logs one warning and `load()` returns False:
-callers fall back to the torch reference.
+build (no compiler, a compiler error, a cache directory that cannot be written, a library that does not load) logs
+one warning and `load()` returns False: callers fall back to the torch reference, which computes the same.
+
+Next to the library, a manifest written last records its size and sha256; a library whose manifest is missing or
+does not match (a truncated file: loading one kills the process with SIGBUS) is built again, never loaded.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -30,6 +35,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(CSRC.glob("*.cpp"))  # compiled into one library
 HEADERS = sorted(CSRC.glob("*.h"))
 LIBRARY_NAME = "batchgen_cpu_kernels.so"
+MANIFEST_NAME = "manifest.json"
 # -fopenmp: at::parallel_for is a header template that runs serially unless compiled with OpenMP; the library
 # then links libgomp.so.1, the one torch has already loaded. -fno-math-errno lets the rounding in exp vectorize.
 # BATCHGEN_CPU_MARCH replaces -march=native: x86-64-v3 builds what an AVX2-only CPU gets (tests, measurements).
@@ -81,10 +87,58 @@ def library_path(compiler: str) -> Path:
     return cache_dir() / key.hexdigest()[:20] / LIBRARY_NAME
 
 
+def _digest(path: Path) -> dict:
+    """Size and sha256 of a regular file (the library is about 1 MB: hashing it costs milliseconds)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):  # checked before opening: opening a FIFO would block
+        raise OSError(f"{path} is not a regular file")
+    sha = hashlib.sha256()
+    with open(path, "rb") as file:
+        size = 0
+        for chunk in iter(lambda: file.read(2**20), b""):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": sha.hexdigest()}
+
+
+def cached_problem(target: Path) -> str | None:
+    """Why the cached library `target` must not be loaded, or None when it is the file its manifest describes."""
+    manifest = target.with_name(MANIFEST_NAME)
+    try:
+        if not stat.S_ISREG(os.stat(manifest).st_mode):
+            return f"{manifest} is not a regular file"
+        recorded = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        return "it has no manifest (built by an earlier version, or its build was cut short)"
+    except (OSError, ValueError) as exc:
+        return f"its manifest {manifest} cannot be read ({exc})"
+    try:
+        actual = _digest(target)
+    except OSError as exc:
+        return f"it cannot be read ({exc.strerror or exc})"
+    if recorded != actual:
+        return (f"it is {actual['size']:,} bytes with sha256 {actual['sha256'][:12]}..., not what its manifest "
+                f"records (a truncated or damaged file)")
+    return None
+
+
+def _cache_setting() -> str:
+    if os.environ.get("BATCHGEN_CACHE_DIR"):
+        return f"BATCHGEN_CACHE_DIR={os.environ['BATCHGEN_CACHE_DIR']}"
+    return "the default cache ~/.cache/batchgen (BATCHGEN_CACHE_DIR sets another)"
+
+
+def _make_dir(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RuntimeError(f"{_cache_setting()} cannot hold the built kernels: {directory} cannot be created "
+                           f"({exc.strerror or exc}); set BATCHGEN_CACHE_DIR to a writable directory") from None
+
+
 def build(compiler: str, target: Path) -> float:
     """Compile into a temporary file next to `target` and rename it into place (concurrent builders cannot see a
-    half-written library). Returns the seconds it took."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    half-written library), then write its manifest. Returns the seconds it took."""
+    _make_dir(target.parent)
     started = time.perf_counter()
     fd, partial = tempfile.mkstemp(suffix=".so", prefix=".building-", dir=target.parent)
     os.close(fd)
@@ -92,11 +146,24 @@ def build(compiler: str, target: Path) -> float:
         result = subprocess.run(_command(compiler, Path(partial)), capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed: {result.stderr.strip()[-2000:]}")
+        digest = _digest(Path(partial))
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+    _write_atomically(target.with_name(MANIFEST_NAME), json.dumps(digest) + "\n")
     return time.perf_counter() - started
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, partial = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,9 +176,14 @@ def load() -> bool:
         if compiler is None:
             raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
         target = library_path(compiler)
-        if target.exists():
+        problem = cached_problem(target) if os.path.lexists(target) else "not built yet"
+        if problem is None:
             logger.debug("CPU kernels: using %s", target)
         else:
+            if os.path.lexists(target):  # without a manifest: an earlier version's build, no warning needed
+                damaged = os.path.lexists(target.with_name(MANIFEST_NAME))
+                (logger.warning if damaged else logger.info)(
+                    "CPU kernels: not loading the cached %s: %s; building it again", target, problem)
             seconds = build(compiler, target)
             logger.info("CPU kernels: built %s in %.1f s (cached for later runs)", target, seconds)
         torch.ops.load_library(str(target))
