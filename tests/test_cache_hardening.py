@@ -87,7 +87,9 @@ def test_a_truncated_cached_kernel_library_is_built_again_not_loaded(tmp_path, m
     target = kernel_target(monkeypatch, tmp_path / "cache", compiler)
     target.parent.mkdir(parents=True)
     data = built_library.read_bytes()
-    target.write_bytes(data[:len(data) // 2])
+    target.write_bytes(data)
+    (target.parent / cpu_build.MANIFEST_NAME).write_text(json.dumps(cpu_build._digest(target)))  # as built
+    target.write_bytes(data[:len(data) // 2])  # then cut short (a disk that failed; a copy interrupted)
     job = job_for(tmp_path, default_model_dir)
     result = cli("run", job, {"BATCHGEN_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(compiler),
                               "BATCHGEN_NO_CPU_KERNELS": None})
