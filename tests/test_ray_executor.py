@@ -149,7 +149,7 @@ def test_job_errors_exit_2_before_anything_starts(tmp_path):
     hide = "import sys; sys.modules['ray'] = None; from batchgen.cli import main; main()"
     missing = subprocess.run([sys.executable, "-c", hide, "plan", str(job)], capture_output=True, text=True,
                              timeout=300)
-    assert missing.returncode == 2 and "pip install 'batchgen[ray]'" in missing.stderr
+    assert missing.returncode == 2 and "pip install -e \".[ray]\" in batchgen's checkout" in missing.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -3,21 +3,18 @@ after another in this process, then compare, and write the JSON record, the char
 from __future__ import annotations
 
 import dataclasses
-import os
-import platform
 import subprocess
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from batchgen.machine import machine_info
+
 from . import ceiling, report
 from .system_types import DTYPES, BenchOptions, SystemRun
 from .systems import SYSTEMS, run_system
 from .workloads import Workload, job_workload, synthetic_workload
-
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
-
 
 @dataclass
 class BenchConfig:
@@ -169,14 +166,6 @@ def resolved_dtype(name: str, device: str) -> str:
     return resolve_dtype(name, resolve_device(device)).name
 
 
-def cpu_flags() -> dict[str, bool]:
-    """The instruction sets the CPU kernels care about (bf16 and int8 dot products, AMX tiles)."""
-    from batchgen.engine.cpu_features import cpu_flags as read_flags
-
-    present = read_flags() or set()
-    return {flag: flag in present for flag in CPU_FLAGS}
-
-
 def git_commit() -> str | None:
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
@@ -186,22 +175,3 @@ def git_commit() -> str | None:
     if done.returncode != 0:
         return None
     return done.stdout.strip() or None
-
-
-def machine_info() -> dict[str, Any]:
-    import psutil
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
-            "cpu_flags": cpu_flags(), "ram_bytes": psutil.virtual_memory().total, "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}

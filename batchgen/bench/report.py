@@ -7,7 +7,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from .roofline_report import HISTORY_HEADER, history_lines
 from .system_types import SystemRun
+from .table import _fmt, render_table, short_dtype
 from .workloads import Workload
 
 REFERENCES = ("batchgen", "batchgen-nocache")  # what the ratios are of: the first of these that ran
@@ -159,33 +161,14 @@ def write_chart(record: dict[str, Any], path: Path) -> None:
 
 # -- tables ------------------------------------------------------------------------------------------------------
 
-SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def short_dtype(dtype: str | None) -> str:
-    return "-" if dtype is None else SHORT_DTYPES.get(dtype, dtype)
-
-
 def label_of(name: str, figures: dict) -> str:
     """The system's name, with hf-static's winning batch size."""
     size = figures.get("details", {}).get("batch_size")
     return f"{name} (B={size})" if size is not None else name
 
 
-def _fmt(value: Any, spec: str = ",.1f", suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
-
-
 def _pcts(p: dict | None, scale: float = 1000.0) -> str:
     return "-" if p is None else "/".join(f"{p[k] * scale:,.0f}" for k in ("p50", "p90", "p99"))
-
-
-def render_table(header: list[str], lines: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in [header] + lines) for i in range(len(header))]
-    out = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-           for row in [header] + lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
 
 
 def format_table(record: dict[str, Any]) -> str:
@@ -238,8 +221,6 @@ def format_table(record: dict[str, Any]) -> str:
 
 def history_table(path: Path) -> str:
     """The archive as a table: one line per system per run; roofline runs (`bench --roofline`) in a second one."""
-    from .roofline_report import HISTORY_HEADER, history_lines
-
     if not path.is_file():
         return f"no archive at {path} (a bench run appends to it)"
     lines, roofline = [], []

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .report import SHORT_DTYPES as SHORT
-from .report import _fmt, render_table
+from .table import SHORT_DTYPES as SHORT
+from .table import _fmt, render_table
 
 
 def format_roofline(record: dict[str, Any]) -> str:

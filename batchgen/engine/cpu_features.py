@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.machine import cpu_flags
+
 # CPU flags (as /proc/cpuinfo spells them) that make bf16 matmuls native: AVX512_BF16's dot products, AMX's tiles.
 # Without them oneDNN emulates bf16 through fp32 and a bf16 model runs slower than an fp32 one.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -18,18 +20,6 @@ class DtypeChoice:
     @property
     def name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
-    """The first CPU's feature flags from /proc/cpuinfo (Linux x86), or None where there is no such file."""
-    try:
-        with open(path) as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        return None
-    return None
 
 
 def auto_cpu_dtype(flags: set[str] | None = None) -> DtypeChoice:

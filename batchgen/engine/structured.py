@@ -3,7 +3,8 @@ docs/structured-output.md): a constraint (regex, JSON schema or EBNF grammar) is
 against the model's vocabulary, each constrained sequence owns a matcher that follows its tokens, and a step fills
 the token bitmask of its constrained rows only.
 
-xgrammar is an optional extra (`pip install 'batchgen[structured]'`): an unconstrained job never imports it."""
+xgrammar is an optional extra (`pip install -e ".[structured]"` in the checkout; scripts/setup.sh installs it): an
+unconstrained job never imports it."""
 from __future__ import annotations
 
 import functools
@@ -20,7 +21,7 @@ def _xgrammar(key: str):
         import xgrammar
     except ImportError:
         raise SettingError(key, f"{key} needs the xgrammar library, which is not installed: {INSTALL_HINT} "
-                                f"(or pip install 'batchgen[structured]')") from None
+                                f"(or pip install -e \".[structured]\" in batchgen's checkout)") from None
     return xgrammar
 
 

@@ -142,8 +142,8 @@ def check_executor(config: JobConfig) -> None:
         try:
             import ray.data  # noqa: F401
         except ImportError:
-            raise JobConfigError("executor.kind: ray needs Ray, which is not installed: "
-                                 "pip install 'batchgen[ray]'") from None
+            raise JobConfigError("executor.kind: ray needs Ray, which is not installed: pip install -e \".[ray]\" "
+                                 "in batchgen's checkout (scripts/setup.sh installs it)") from None
 
 
 def check_model(ref: str) -> str:

@@ -21,7 +21,8 @@ class TimeEstimate:
 
 def estimate_time(archive: Path, model: str, device: dict[str, Any], prompt_tokens: float,
                   output_tokens: float, dtype: str = "float32") -> TimeEstimate:
-    """`model`: "default" or a resolved path; `device`: {"type": "cpu", "cpu": name, "cores": n} or
+    """`model`: "default" or a resolved path; `device`: {"type": "cpu", "cpu": name, "cores": n, "cpu_flags":
+    machine_info's} or
     {"type": "cuda", ...}; `prompt_tokens`: those to compute, after the prefix cache; `dtype`: the run's, resolved
     ("float32"): only records of batchgen in that dtype count."""
     if not archive.is_file():
@@ -35,8 +36,9 @@ def estimate_time(archive: Path, model: str, device: dict[str, Any], prompt_toke
                 record["workload"]["name"], {}).get("date", ""):
             latest[record["workload"]["name"]] = record
     if not latest:
+        flags = ", ".join(f for f, present in (device.get("cpu_flags") or {}).items() if present) or "flags unknown"
         return TimeEstimate(None, None, f"no record for this model/device/dtype ({device['cpu']}, {device['cores']} "
-                                        f"cores, {dtype}) in {archive}")
+                                        f"cores, {flags}, {dtype}) in {archive}")
     records = sorted(latest.values(), key=lambda r: r["date"])
     names = tuple(_describe(r) for r in records)
     load_s = records[-1]["systems"]["batchgen"]["load_s"]
@@ -67,7 +69,16 @@ def _matches(record: dict, model: str, device: dict[str, Any], dtype: str) -> bo
     machine = record.get("machine", {})
     engine_device = record.get("config", {}).get("engine_args", {}).get("device", "auto")
     on_cpu = engine_device == "cpu" or (engine_device == "auto" and "+cpu" in machine.get("torch", ""))
-    return on_cpu and machine.get("cpu") == device["cpu"] and machine.get("cores") == device["cores"]
+    return on_cpu and machine.get("cpu") == device["cpu"] and machine.get("cores") == device["cores"] \
+        and _same_flags(machine.get("cpu_flags"), device.get("cpu_flags"))
+
+
+def _same_flags(recorded: dict[str, bool] | None, current: dict[str, bool] | None) -> bool:
+    """One CPU name covers machines with and without AVX-512 or AMX, whose speeds differ by multiples: the
+    instruction sets a record lists must be this machine's (a record or a caller without them matches on name)."""
+    if not recorded or not current:
+        return True
+    return all(recorded[flag] == current[flag] for flag in recorded.keys() & current.keys())
 
 
 def _computed_prompt(record: dict) -> float:

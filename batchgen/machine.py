@@ -1,0 +1,49 @@
+"""Facts about the machine this process runs on, for everything that reports or decides by them: the engine's
+`dtype: auto`, `batchgen plan`, the bench and roofline records. A leaf module: it imports nothing of batchgen."""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+# The instruction sets batchgen's CPU paths care about (bf16 and int8 dot products, AMX tiles): the ones a record
+# lists as present or absent.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
+    """The first CPU's feature flags from /proc/cpuinfo (Linux x86), or None where there is no such file."""
+    try:
+        with open(path) as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        return None
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine as records show it: CPU, cores, KERNEL_FLAGS present or not, memory, library versions."""
+    import psutil
+    import torch
+    import transformers
+
+    present = cpu_flags() or set()
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+            "cpu_flags": {flag: flag in present for flag in KERNEL_FLAGS}, "ram_bytes": psutil.virtual_memory().total,
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
