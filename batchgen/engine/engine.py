@@ -44,6 +44,7 @@ class Engine:
         self._seeds = random.Random(args.seed)
         self._unfinished: dict[Any, RequestGroup] = {}  # by request id
         self._rejected: list[Result] = []  # error results of requests not admitted, returned by the next step()
+        self._last_choice: tuple[list[str], list[list[int]]] | None = None  # a `choice` and its candidates' ids
         self.num_steps = 0
         self.last_step: StepStats | None = None
 
@@ -185,7 +186,10 @@ class Engine:
         choice = request.sampling_params.choice
         if not choice:
             return None
-        candidates = [self.tokenizer.encode(text, add_special_tokens=False) for text in choice]
+        if self._last_choice is None or self._last_choice[0] != choice:  # a job's rows mostly share theirs
+            self._last_choice = (list(choice),
+                                 [self.tokenizer.encode(text, add_special_tokens=False) for text in choice])
+        candidates = self._last_choice[1]
         longest = len(request.prompt_token_ids) + max(map(len, candidates))
         if longest > self.max_model_len:
             raise SettingError("choice", f"prompt and longest choice make {longest} tokens, more than the "

@@ -12,8 +12,9 @@ from .sequence import Sequence, SequenceRole
 from .step_output import StepOutput
 
 
-# Scored positions whose logits are made at once (SCORE sequences: `choice`): 256 x a 49k vocabulary = 50 MB fp32.
-SCORE_CHUNK = 256
+# Scored positions whose logits are made at once (SCORE sequences: `choice`): 64 x a 49k vocabulary = 12.6 MB fp32,
+# and as much again for their log-softmax; a wave of a large `choice` scores a few thousand positions a step.
+SCORE_CHUNK = 64
 
 
 class ModelRunner:
@@ -66,11 +67,14 @@ class ModelRunner:
                 torch.from_numpy(positions).to(self.device, non_blocking=True), metadata)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks, every layer's K and V: (source id, destination id) pairs (copy on write)."""
+        """Copy whole KV blocks, every layer's K and V: (source id, destination id) pairs (copy on write). A layer
+        at a time: the gathered sources of a wave of forks, every layer at once, would be a wave of whole blocks
+        (hundreds of MiB) made and dropped in one step."""
         if copies:
             src = torch.tensor([c[0] for c in copies], device=self.device)
             dst = torch.tensor([c[1] for c in copies], device=self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            for layer in self.kv_cache:
+                layer[:, dst] = layer[:, src]
 
     @torch.inference_mode()
     def execute(self, scheduled: dict[Sequence, int]) -> StepOutput:

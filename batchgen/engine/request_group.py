@@ -3,6 +3,7 @@
 - One sample, no `choice`: one GENERATE sequence.
 - n samples: a PREFIX sequence computes the prompt but its last token once; then n GENERATE forks share its blocks,
   each computes the last prompt token itself and samples on with its own seed (sample i depends on (seed, i) alone).
+  The scheduler starts the forks in waves of at most max_num_seqs, the PREFIX's blocks held until the last starts.
 - `choice`: the PREFIX as above, then one SCORE fork per candidate, teacher-forced through the candidate's tokens:
   the logprob of each of them and of ending after them (any EOS token) sum to the candidate's total. The output is
   the most probable candidate (greedy) or one drawn from the candidates' renormalised distribution, and every
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +37,23 @@ def sample_seed(seed: int, index: int) -> int:
     return x ^ (x >> 31)
 
 
+class Forks:
+    """A PREFIX's forks not started yet, in order. The scheduler takes each with popleft() as it starts it, and a
+    `choice` candidate's sequence is made only then: a choice of thousands of labels holds a wave of sequences,
+    not one per label."""
+
+    def __init__(self, count: int, make: Callable[[int], Sequence]) -> None:
+        self._make, self._next, self._count = make, 0, count
+
+    def __len__(self) -> int:
+        return self._count - self._next
+
+    def popleft(self) -> Sequence:
+        seq = self._make(self._next)
+        self._next += 1
+        return seq
+
+
 class RequestGroup:
     def __init__(self, request: Request, seed: int, candidates: list[list[int]] | None, new_matcher) -> None:
         """candidates: the token ids of each `choice` string, None without `choice`. new_matcher() returns a
@@ -45,18 +64,30 @@ class RequestGroup:
         self.prompt = list(request.prompt_token_ids)
         self.candidates = candidates
         self.prefix: Sequence | None = None
-        self.finished: list[Sequence] = []
+        self.members: list[Sequence] = []  # made up front: the samples; a choice's candidates only without a PREFIX
+        self.started: dict[int, Sequence] = {}  # candidates the PREFIX's Forks made, not finished yet, by index
+        self.finished: list[Sequence] = []  # the samples that finished
+        self.num_finished = 0
+        self.finish_time = 0.0  # the last member's
+        self.num_preemptions = 0  # the most of any member's
         self.arrival_time = time.monotonic()
+        count = params.n if candidates is None else len(candidates)
+        if candidates is not None:
+            self.totals = [0.0] * count  # each candidate's total logprob, filled as its sequence finishes
+            self.candidate_scores: dict[int, tuple[list[float], list]] = {}  # with logprobs: (scores, tops)
+        if count > 1 and len(self.prompt) > 1:
+            self.prefix = self._sequence(SequenceRole.PREFIX, self.prompt[:-1], len(self.prompt) - 1, 0, None)
         if candidates is None:
             self.members = [self._sequence(SequenceRole.GENERATE, self.prompt, len(self.prompt), i,
-                                           new_matcher()) for i in range(params.n)]
+                                           new_matcher()) for i in range(count)]
+            if self.prefix is not None:
+                for member in self.members:
+                    member.status = SequenceStatus.PENDING
+                self.prefix.forks = Forks(count, self.members.__getitem__)
+        elif self.prefix is not None:
+            self.prefix.forks = Forks(count, self._start_candidate)
         else:
             self.members = [self._score_sequence(i, tokens) for i, tokens in enumerate(candidates)]
-        if len(self.members) > 1 and len(self.prompt) > 1:
-            self.prefix = self._sequence(SequenceRole.PREFIX, self.prompt[:-1], len(self.prompt) - 1, 0, None)
-            self.prefix.forks = self.members
-            for member in self.members:
-                member.status = SequenceStatus.PENDING
 
     @property
     def first_sequences(self) -> list[Sequence]:
@@ -65,7 +96,13 @@ class RequestGroup:
 
     @property
     def sequences(self) -> list[Sequence]:
-        return ([self.prefix] if self.prefix is not None else []) + self.members
+        """Every sequence made so far that may still hold blocks or wait (finished ones included)."""
+        return ([self.prefix] if self.prefix is not None else []) + self.members + list(self.started.values())
+
+    def _start_candidate(self, index: int) -> Sequence:
+        seq = self._score_sequence(index, self.candidates[index])
+        self.started[index] = seq
+        return seq
 
     def _sequence(self, role: SequenceRole, token_ids: list[int], num_prompt_tokens: int, index: int,
                   matcher: Any) -> Sequence:
@@ -86,10 +123,20 @@ class RequestGroup:
         return seq
 
     def on_finished(self, seq: Sequence) -> bool:
-        """Note a finished sequence; True once every member has."""
-        if seq is not self.prefix:
-            self.finished.append(seq)
-        return len(self.finished) == len(self.members)
+        """Note a finished sequence (a candidate's scores are kept as its total); True once every member has."""
+        if seq is self.prefix:
+            return False
+        self.num_finished += 1
+        self.finish_time = max(self.finish_time, seq.finish_time)
+        self.num_preemptions = max(self.num_preemptions, seq.num_preemptions)
+        if seq.role is SequenceRole.SCORE:
+            self.started.pop(seq.sample_index, None)
+            self.totals[seq.sample_index] = math.fsum(seq.scores)
+            if self.params.logprobs is not None:
+                self.candidate_scores[seq.sample_index] = (seq.scores, seq.score_tops)
+            return self.num_finished == len(self.totals)
+        self.finished.append(seq)
+        return self.num_finished == self.params.n
 
     # -- results -------------------------------------------------------------------------------------------------
 
@@ -101,7 +148,7 @@ class RequestGroup:
 
     def choice_totals(self) -> list[float]:
         """Each candidate's total logprob (its tokens, then the end), in `choice` order."""
-        return [math.fsum(seq.scores) for seq in self.members]
+        return self.totals
 
     def _choice_results(self, output) -> list[Result]:
         totals = self.choice_totals()
@@ -110,23 +157,23 @@ class RequestGroup:
         probs = [w / math.fsum(weights) for w in weights]
         choice_probs = list(zip(self.params.choice, probs))
         first = self.prefix if self.prefix is not None else self.members[0]
-        finish = max(seq.finish_time for seq in self.members)
+        num_preemptions = max(self.num_preemptions, first.num_preemptions)
         wall = output.clock.wall
         results = []
         for index in range(self.params.n):
             picked = self._pick(totals, index)
-            seq = self.members[picked]
             result = Result(
-                request_id=self.request_id, text=self.params.choice[picked], token_ids=self.candidates[picked],
+                request_id=self.request_id, text=self.params.choice[picked], token_ids=list(self.candidates[picked]),
                 finish_reason="stop", error=None, prompt_tokens=len(self.prompt),
                 output_tokens=len(self.candidates[picked]), cached_tokens=max(first.num_cached_tokens, 0),
-                num_preemptions=max(s.num_preemptions for s in self.sequences),
+                num_preemptions=num_preemptions,
                 arrival_time=wall(first.arrival_time), first_scheduled_time=wall(first.first_scheduled_time),
-                first_token_time=wall(finish), finish_time=wall(finish), sample_index=index,
+                first_token_time=wall(self.finish_time), finish_time=wall(self.finish_time), sample_index=index,
                 choice_probs=choice_probs, choice_logprobs=totals)
             if self.params.logprobs is not None:
-                result.logprobs = seq.scores[:-1]
-                result.top_logprobs = [output.named_top(top) for top in seq.score_tops[:-1]]
+                scores, tops = self.candidate_scores[picked]
+                result.logprobs = scores[:-1]
+                result.top_logprobs = [output.named_top(top) for top in tops[:-1]]
             results.append(result)
         return results
 

@@ -12,7 +12,14 @@ share (the budget is spent front to back):
   max_num_batched_tokens < max_num_seqs (which vLLM refuses). None holds KV blocks while it starves.
 A request that fans out (n samples, `choice` candidates) bends both a little: its PREFIX sequence, once computed,
 is replaced at the tail of `running` by its forks, which share its blocks and each still have a few tokens to
-compute; its admission reserves room for all of them under max_num_seqs.
+compute; its admission reserves room for them under max_num_seqs.
+Its forks run in waves of at most max_num_seqs (`max_live_forks`) at a time, so a `choice` of thousands of labels
+holds the blocks and step of max_num_seqs sequences, not of all its candidates: while forks are still to start,
+the computed PREFIX is `held` (out of `running`, its blocks kept), and each fork that finishes starts the next one
+at the tail of `running`. It lets go of its blocks once its last fork has started (the forks hold what they share).
+Only when nothing else can give blocks back (the sequence that needs them is the last one running, or none runs)
+does a held PREFIX give its blocks back: it is requeued behind the waiting sequences and starts its remaining forks
+once recomputed (from the prefix cache, where its blocks are still there).
 """
 from __future__ import annotations
 
@@ -56,8 +63,10 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_live_forks = max_num_seqs  # a fanned-out request's forks running at once: one wave
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: list[Sequence] = []  # computed PREFIX sequences keeping their blocks for forks still to start
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admission
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
@@ -66,7 +75,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -77,8 +86,11 @@ class Scheduler:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv_cache_manager.allocate_slots(seq, num_new):
-                victim = self.running.pop()  # the most recently admitted gives its blocks back
-                self._preempt(victim)
+                if self.running[-1] is seq and self.held:  # else seq preempts itself, and could again and again
+                    victim = self._release_held()
+                else:
+                    victim = self.running.pop()  # the most recently admitted gives its blocks back
+                    self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
@@ -91,12 +103,15 @@ class Scheduler:
         if not out.preempted:  # blocks are short: admitting now would only preempt again
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                if self.running and len(self.running) + seq.num_seqs_when_running > self.max_num_seqs:
+                if self.running and len(self.running) + self._seqs_when_running(seq) > self.max_num_seqs:
                     break
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit_tokens, budget)
                 if not self.kv_cache_manager.allocate_slots(seq, num_new, hits):
-                    break
+                    if self.running or not self.held:
+                        break
+                    self._release_held()  # nothing runs: only a held PREFIX's blocks can make room
+                    continue
                 self.waiting.popleft()
                 seq.num_computed_tokens = num_hit_tokens
                 seq.status = SequenceStatus.RUNNING
@@ -110,12 +125,18 @@ class Scheduler:
                 budget -= num_new
         return out
 
+    def _seqs_when_running(self, seq: Sequence) -> int:
+        """Sequences `seq` occupies once computed: a PREFIX becomes its next wave of forks."""
+        if seq.role is SequenceRole.PREFIX:
+            return max(min(len(seq.forks), self.max_live_forks - seq.num_live_forks), 1)
+        return 1
+
     def update_from_output(self, out: SchedulerOutput, step: StepOutput,
                            stop_reason: Callable[[Sequence, int], str | None]) -> list[Sequence]:
         """After the model ran `out`: computed tokens catch up, each sampled sequence gets its token (and its
         logprobs), SCORE sequences their scores; those that `stop_reason` stops, and those with nothing left to
-        compute that sample nothing, finish and give back their blocks (which stay cached). A PREFIX sequence
-        first hands its blocks to its forks. Returns the finished ones."""
+        compute that sample nothing, finish and give back their blocks (which stay cached). A computed PREFIX
+        starts its first wave of forks instead, each finished fork the next one. Returns the finished ones."""
         now = time.monotonic()
         for seq, first, values, tops in step.scores:
             seq.record_scores(first, values, tops)
@@ -124,10 +145,9 @@ class Scheduler:
             seq.num_computed_tokens += n
             if not seq.samples and seq.num_computed_tokens == seq.num_tokens:
                 if seq.role is SequenceRole.PREFIX:
-                    self._start_forks(seq)
-                seq.finish_reason, seq.finish_time = "computed", now
-                self._remove(seq)
-                finished.append(seq)
+                    self._hold(seq, now)
+                else:
+                    self._finish(seq, "computed", now, finished)
         for seq, token, logprobs in zip(step.sampled, step.tokens, step.logprobs or [None] * len(step.sampled)):
             seq.append_token(token)
             if logprobs is not None:
@@ -136,23 +156,45 @@ class Scheduler:
                 seq.first_token_time = now
             reason = stop_reason(seq, token)
             if reason:
-                seq.finish_reason, seq.finish_time = reason, now
-                self._remove(seq)
-                finished.append(seq)
+                self._finish(seq, reason, now, finished)
         return finished
 
+    def _finish(self, seq: Sequence, reason: str, now: float, finished: list[Sequence]) -> None:
+        seq.finish_reason, seq.finish_time = reason, now
+        self._remove(seq)
+        finished.append(seq)
+        prefix = seq.parent
+        if prefix is not None:
+            prefix.num_live_forks -= 1
+            if prefix.status is SequenceStatus.HELD:
+                self._start_forks(prefix)
+
+    def _hold(self, prefix: Sequence, now: float) -> None:
+        """A computed PREFIX leaves `running`, keeping its blocks, and starts its forks."""
+        self.running.remove(prefix)
+        prefix.status = SequenceStatus.HELD
+        prefix.finish_reason, prefix.finish_time = "computed", now
+        self.held.append(prefix)
+        self._start_forks(prefix)
+
     def _start_forks(self, prefix: Sequence) -> None:
-        """The forks of a computed PREFIX share its blocks and run from its last token on."""
-        for child in prefix.forks:
+        """Start forks of a held PREFIX up to a wave: they share its blocks and run from its last token on. Once
+        the last has started, the PREFIX finishes and lets go of its blocks."""
+        while prefix.forks and prefix.num_live_forks < self.max_live_forks:
+            child = prefix.forks.popleft()
             self.kv_cache_manager.fork(prefix, child)
+            child.parent = prefix
             child.num_cached_tokens = prefix.num_cached_tokens
             child.first_scheduled_time = prefix.first_scheduled_time
             child.num_preemptions = prefix.num_preemptions
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
+            prefix.num_live_forks += 1
+        if not prefix.forks:
+            self._remove(prefix)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished sequence, waiting or running; its blocks go back."""
+        """Drop an unfinished sequence, waiting, running or held; its blocks go back. Starts no fork."""
         self._remove(seq)
 
     def _remove(self, seq: Sequence) -> None:
@@ -160,13 +202,25 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.HELD:
+            self.held.remove(seq)
         self.kv_cache_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release_held(self) -> Sequence:
+        """The most recently held PREFIX gives its blocks back and waits behind everything else (its forks that
+        wait come first); recomputed, it starts the rest of its forks."""
+        prefix = self.held.pop()
+        self._preempt(prefix, requeue_first=False)
+        return prefix
+
+    def _preempt(self, seq: Sequence, requeue_first: bool = True) -> None:
         self.kv_cache_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if requeue_first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)

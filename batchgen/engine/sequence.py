@@ -17,6 +17,7 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     PENDING = "pending"  # a fork waiting for its PREFIX sequence to be computed: not in the scheduler yet
+    HELD = "held"  # a computed PREFIX keeping its blocks for the forks it has not started yet
 
 
 class SequenceRole(enum.Enum):
@@ -89,7 +90,11 @@ class Sequence:
     penalty_state: Any = None  # a sampler.PenaltyState when the request has a repetition/presence/frequency penalty
     role: SequenceRole = SequenceRole.GENERATE
     sample_index: int = 0  # which of its request's n samples (or, for a SCORE sequence, which candidate)
-    forks: list["Sequence"] = field(default_factory=list)  # a PREFIX's sequences, PENDING until it is computed
+    # A PREFIX's forks not started yet, in order: len() of them, popleft() the next (request_group.Forks); the
+    # scheduler starts them in waves once the PREFIX is computed
+    forks: Any = None
+    num_live_forks: int = 0  # a PREFIX's forks started and not finished
+    parent: "Sequence | None" = None  # a fork's PREFIX
     matcher: Any = None  # a structured.Matcher when the output is constrained by a grammar
     # With params.logprobs: per output token, its logprob and the top alternatives as (token id, logprob)
     token_logprobs: list[float] | None = None
@@ -133,11 +138,6 @@ class Sequence:
     def num_cacheable_tokens(self) -> int:
         """How many leading tokens a prefix-cache hit may cover: all but those whose logits are needed."""
         return self.score_from if self.role is SequenceRole.SCORE else self.num_tokens - 1
-
-    @property
-    def num_seqs_when_running(self) -> int:
-        """Sequences this one occupies once computed: a PREFIX becomes its forks."""
-        return len(self.forks) or 1
 
     def append_logprobs(self, logprob: float, top: list[tuple[int, float]]) -> None:
         self.token_logprobs.append(logprob)

@@ -8,9 +8,14 @@ On the CPU the estimate is of peak RSS, the figure a run writes as `peak_memory_
                the checkpoint pages that stay resident beside copies;
   packed       where the CPU's linear layers are packed for oneDNN (models/packed_linear.py): a second copy of
                every matmul weight (the LM head too), which exists beside the plain weights while they are packed;
+  released     then the plain matmul weights and the checkpoint's pages are dropped (startup: pack_linears, then
+               own_storage), before the KV blocks and the steps take memory: the peak is the larger of loading
+               (weights, mapped, packed) and running (what the model holds, KV pool, activations, sort window), so
+               this part is minus the smaller of that drop and the running parts;
   KV pool      at most all of it: its pages become resident as its blocks are first used, and a long job
                uses them all (freed blocks stay cached until the never-used ones are gone);
-  activations  the largest step (max_num_batched_tokens tokens), the longest prompt's attention scores, logits;
+  activations  the largest step (max_num_batched_tokens tokens), the longest prompt's attention scores, logits
+               (a `choice` job's: the fp32 logits and log-softmax of a chunk of scored positions);
   sort window  the token ids of the rows sorted together.
 On CUDA it is of device memory (weights, KV pool, activations), against the device's free memory."""
 from __future__ import annotations
@@ -66,6 +71,7 @@ class WeightBytes:
     checkpoint_dtypes: tuple[str, ...]
     loaded: int  # the parameters at the run's dtype
     mapped: int  # checkpoint pages kept resident beside copies of them (CPU)
+    linear: int = 0  # of `loaded`, the matmul weights (nn.Linear's): those that packing replaces
 
 
 def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool,
@@ -89,7 +95,8 @@ def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool,
     except (ValueError, OSError) as exc:  # unsupported architecture, RoPE type or activation; unreadable config
         raise JobConfigError(f"model: {exc}") from None
     quantized = quantization is not None
-    used = {name: TensorUse(len(sources) > 1, quantized and is_quantized(param))
+    linear = {f"{name}.weight" for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    used = {name: TensorUse(len(sources) > 1, quantized and is_quantized(param), param in linear)
             for param, sources in checkpoint_sources(model).items() for name in sources}
     shape = ModelShape.of(model)
     weights = weight_bytes(model_dir, used, dtype, on_cpu)
@@ -103,6 +110,7 @@ class TensorUse:
     """How the loader uses one checkpoint tensor."""
     fused: bool  # concatenated with others (q/k/v, gate/up)
     quantized: bool  # held as int8 (quantization: int8)
+    linear: bool = False  # a matmul weight (an nn.Linear's): the one packing replaces
 
 
 def int8_bytes(rows: int, columns: int) -> int:
@@ -138,7 +146,7 @@ def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype
         raise JobConfigError(f"model: no *.safetensors weights in {model_dir}")
     quantized = any(use.quantized for use in used.values())
     run_name, run_bytes = _SAFETENSORS_NAMES.get(dtype), torch.finfo(dtype).bits // 8
-    parameters = loaded = mapped = 0
+    parameters = loaded = mapped = linear = 0
     dtypes: set[str] = set()
     for file in files:
         copied, viewed = 0, False
@@ -148,7 +156,9 @@ def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype
             numel = math.prod(entry["shape"])
             parameters += numel
             use = used[name]
-            loaded += int8_bytes(entry["shape"][0], numel // entry["shape"][0]) if use.quantized else numel * run_bytes
+            size = int8_bytes(entry["shape"][0], numel // entry["shape"][0]) if use.quantized else numel * run_bytes
+            loaded += size
+            linear += size if use.linear else 0
             dtypes.add(entry["dtype"])
             if use.fused or use.quantized or entry["dtype"] != run_name:
                 copied += entry["data_offsets"][1] - entry["data_offsets"][0]
@@ -156,7 +166,14 @@ def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype
                 viewed = True
         if on_cpu and viewed and not quantized:  # the loader copies the views of a quantized model: no mapping stays
             mapped += copied
-    return WeightBytes(len(files), parameters, tuple(sorted(dtypes)), loaded, mapped)
+    return WeightBytes(len(files), parameters, tuple(sorted(dtypes)), loaded, mapped, linear)
+
+
+def released_after_packing(weights: WeightBytes, running: int) -> int:
+    """The (negative) part that makes the estimate the larger of loading and running: packing drops the plain
+    matmul weights and, once own_storage has copied the last views, the checkpoint's pages, before `running` (the
+    KV blocks, activations and sort window) takes memory."""
+    return -min(weights.linear + weights.mapped, running)
 
 
 def packed_weight_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
@@ -168,12 +185,18 @@ def packed_weight_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
 
 
 def activation_bytes(shape: ModelShape, dtype: torch.dtype, step_tokens: int, step_seqs: int,
-                     longest_prompt: int, on_cpu: bool) -> dict[str, int]:
+                     longest_prompt: int, on_cpu: bool, scored: bool = False) -> dict[str, int]:
     """The largest step's transient memory, by part: a step of `step_tokens` tokens over `step_seqs` sequences,
-    and the longest prompt prefilled in chunks of at most `step_tokens` (the CPU attention's score tensors)."""
+    and the longest prompt prefilled in chunks of at most `step_tokens` (the CPU attention's score tensors).
+    `scored`: the step scores `choice` candidates, every one of its tokens a scored position."""
+    from batchgen.engine.model_runner import SCORE_CHUNK
+
     size = torch.finfo(dtype).bits // 8
     mlp = step_tokens * (4 * shape.intermediate_size + 2 * shape.hidden_size) * size * MLP_ALLOCATOR_FACTOR
-    parts = {"step": int(mlp), "logits": step_seqs * shape.vocab_size * 4}  # logits are fp32
+    logits = step_seqs * shape.vocab_size * 4  # fp32
+    if scored:  # a chunk's fp32 logits and their log-softmax, side by side
+        logits = max(logits, 2 * min(step_tokens, SCORE_CHUNK) * shape.vocab_size * 4)
+    parts = {"step": int(mlp), "logits": logits}
     if on_cpu:
         query = min(longest_prompt, step_tokens)
         parts["attention"] = int(ATTENTION_SCORE_COPIES * shape.num_heads * query * longest_prompt * size)

@@ -16,6 +16,7 @@ from batchgen.engine.block_pool import hash_block
 from batchgen.engine.engine_args import parse_bytes
 from batchgen.engine.errors import SettingError
 from batchgen.engine.kv_pool import KVPoolSize
+from batchgen.machine import machine_info
 
 from . import memory
 from .config import JobConfig, JobConfigError, setting_error
@@ -38,7 +39,13 @@ class TokenStats:
     errors: list[SourceRow]
     prompt: list[int]  # prompt tokens of the rows that would be generated, sorted
     with_output: list[int]  # each of those rows' prompt + its output bound (its samples share the prompt), sorted
+    longest: list[int]  # each row's longest sequence: prompt + max_tokens, a `choice` row's + its longest, sorted
     output_bound: int  # the most tokens they generate: n x max_tokens a row; a `choice` row's candidates scored
+    scored: int  # of those, the tokens `choice` candidates compute (each: the last prompt token and its own)
+    candidates: list[int]  # each row's `choice` candidates (0 without), sorted
+    fork_tokens: int  # the most tokens one candidate computes: the last prompt token and the longest candidate
+    choice_too_long: int  # `choice` rows whose prompt + longest candidate exceed the context: error rows
+    blocks: int  # KV blocks their sequences take, before prefix-cache hits (see row_tokens)
     shared: int  # prompt tokens in full blocks an earlier row shares (what the prefix cache can serve)
     examples: list[tuple[SourceRow, str]]  # the first rows in input order, with their prompt text
 
@@ -109,6 +116,9 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
              "kv": kv_blocks * pool.block_bytes, "activations": sum(activations.values())}
     if device.type == "cpu":
         parts["window"] = window_bytes(config, tokens, inputs.total_rows)
+        if parts["packed"]:
+            parts["released"] = memory.released_after_packing(
+                weights, parts["kv"] + parts["activations"] + parts["window"])
         parts["baseline"] = baseline
     available, available_source = memory.available_memory(device)
     problem, warning = memory_verdict(sum(parts.values()), available)
@@ -160,10 +170,11 @@ def size_kv_pool(config: JobConfig, shape: memory.ModelShape, weights: memory.We
 
 def kv_blocks_used(tokens: TokenStats, block_size: int, total_rows: int, pool_blocks: int,
                    prefix_caching: bool) -> int:
-    """The blocks the run hands out, at most the pool: each row's prompt + max_tokens in blocks, less the full
-    blocks the prefix cache serves, scaled from the sample to all rows. The pool hands out never-used blocks
-    before reusing freed ones, so on the CPU this many become resident."""
-    blocks = sum(-(-n // block_size) for n in tokens.with_output)
+    """The blocks the run hands out, at most the pool: each row's prompt + max_tokens in blocks (a `choice` row:
+    its PREFIX's and each candidate's own), less the full blocks the prefix cache serves, scaled from the sample to
+    all rows. The pool hands out never-used blocks before reusing freed ones, so on the CPU this many become
+    resident."""
+    blocks = tokens.blocks
     if prefix_caching:
         blocks -= tokens.shared // block_size
     scale = total_rows / tokens.sampled if tokens.sampled else 0.0
@@ -173,14 +184,19 @@ def kv_blocks_used(tokens: TokenStats, block_size: int, total_rows: int, pool_bl
 def largest_step(config: JobConfig, shape: memory.ModelShape, dtype, device, tokens: TokenStats, computed: int,
                  total_rows: int, context: int) -> tuple[int, dict[str, int]]:
     """The largest step's tokens and its activations. No step holds more than max_num_seqs whole prompts, nor, when
-    every row was sampled, more than all of the job's prompt tokens to compute and a first output token per row."""
+    every row was sampled, more than all of the job's prompt tokens to compute, a first output token per row and
+    the tokens its `choice` candidates compute. When every row has at least max_num_seqs candidates, a step holds
+    one row's prompt or one wave of max_num_seqs candidates (scheduler.py)."""
     args = config.engine
     step_tokens = min(args.max_num_batched_tokens, args.max_num_seqs * context)
     if tokens.sampled == total_rows:
-        step_tokens = min(step_tokens, computed + len(tokens.prompt))
+        step_tokens = min(step_tokens, computed + len(tokens.prompt) + tokens.scored)
     longest = tokens.prompt[-1] if tokens.prompt else 0
+    if tokens.candidates and tokens.candidates[0] >= args.max_num_seqs:
+        step_tokens = min(step_tokens, max(longest, args.max_num_seqs * tokens.fork_tokens))
     step_seqs = min(args.max_num_seqs, step_tokens)
-    return step_tokens, memory.activation_bytes(shape, dtype, step_tokens, step_seqs, longest, device.type == "cpu")
+    return step_tokens, memory.activation_bytes(shape, dtype, step_tokens, step_seqs, longest, device.type == "cpu",
+                                                scored=tokens.scored > 0)
 
 
 def window_bytes(config: JobConfig, tokens: TokenStats, total_rows: int) -> int:
@@ -199,11 +215,11 @@ def load_model_files(config: JobConfig):
     before = memory.process_rss()
     try:
         model_dir = resolve_model(config.model)
+        # A conversion loads the whole model in this process: the baseline measured below then overstates a run's.
+        converted_now = memory.process_rss() - before > 256 * 2**20
+        tokenizer = load_tokenizer(model_dir)
     except ModelError as exc:
         raise JobConfigError(f"model: {exc}") from None
-    # A conversion loads the whole model in this process: the baseline measured below then overstates a run's.
-    converted_now = memory.process_rss() - before > 256 * 2**20
-    tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
         raise JobConfigError(f"model: {model_dir} has no tokenizer; a job needs one to build its prompts")
     check_chat_template(config, tokenizer)
@@ -221,22 +237,65 @@ def sample_tokens(config: JobConfig, inputs: InputFiles, tokenizer, context: int
     ok = [row for row in rows if row.error is None]
     firsts = sorted(ok, key=lambda row: row.row)[:3]
     examples = [(row, tokenizer.decode(row.token_ids, skip_special_tokens=False)) for row in firsts]
-    outputs = [output_tokens_bound(row.sampling, tokenizer) for row in ok]
+    lengths = CandidateLengths(tokenizer)
+    shapes = [row_tokens(len(row.token_ids), row.sampling, lengths, config.engine.block_size) for row in ok]
     return TokenStats(
         sampled=sampled, errors=sorted((row for row in rows if row.error is not None), key=lambda row: row.row),
         prompt=sorted(len(row.token_ids) for row in ok),
-        with_output=sorted(len(row.token_ids) + output for row, output in zip(ok, outputs)),
-        output_bound=sum(outputs),
+        with_output=sorted(shape.with_output for shape in shapes),
+        longest=sorted(shape.longest for shape in shapes),
+        output_bound=sum(shape.with_output - shape.prompt for shape in shapes),
+        scored=sum(shape.scored for shape in shapes),
+        candidates=sorted(shape.candidates for shape in shapes),
+        fork_tokens=max((shape.longest - shape.prompt + 1 for shape in shapes if shape.candidates), default=0),
+        choice_too_long=sum(1 for shape in shapes if shape.candidates and shape.longest > context),
+        blocks=sum(shape.blocks for shape in shapes),
         shared=shared_prefix_tokens([row.token_ids for row in ok], config.engine.block_size),
         examples=examples)
 
 
-def output_tokens_bound(sampling, tokenizer) -> int:
-    """The most tokens one row generates: each of its n samples up to max_tokens; a `choice` row scores its
-    candidates instead (each one's tokens and the end: what its SCORE sequences compute after the prompt)."""
-    if sampling.choice:
-        return sum(len(tokenizer.encode(text, add_special_tokens=False)) + 1 for text in sampling.choice)
-    return sampling.n * sampling.max_tokens
+@dataclass(frozen=True)
+class RowTokens:
+    """One row's sequences, by the engine's arithmetic (request_group.py)."""
+
+    prompt: int
+    with_output: int  # prompt + the most tokens it generates (n x max_tokens) or scores (its candidates)
+    longest: int  # its longest sequence
+    blocks: int  # the KV blocks its sequences take, before prefix-cache hits
+    scored: int  # the tokens its `choice` candidates compute
+    candidates: int  # how many (0 without `choice`)
+
+
+def row_tokens(prompt: int, sampling, candidate_lengths: CandidateLengths, block_size: int) -> RowTokens:
+    """A row of n samples: prompt + n x max_tokens (their blocks counted as one sequence's). A `choice` row: a
+    PREFIX (the prompt but its last token) whose forks each compute the last prompt token and one candidate and
+    score its end; a fork shares the PREFIX's full blocks, so its own are the rest: a copy of the PREFIX's partial
+    last block and the candidate's."""
+    if not sampling.choice:
+        output = sampling.n * sampling.max_tokens
+        return RowTokens(prompt, prompt + output, prompt + sampling.max_tokens, -(-(prompt + output) // block_size),
+                         0, 0)
+    lengths = candidate_lengths(sampling.choice)
+    scored = sum(lengths) + len(lengths)
+    blocks = sum(-(-(prompt + n) // block_size) for n in lengths)
+    if len(lengths) > 1 and prompt > 1:
+        blocks += -(-(prompt - 1) // block_size) - len(lengths) * ((prompt - 1) // block_size)
+    return RowTokens(prompt, prompt + scored, prompt + max(lengths), blocks, scored, len(lengths))
+
+
+class CandidateLengths:
+    """Each `choice` string's token count, tokenized once per distinct choice list (a job's rows mostly share
+    one: thousands of labels would otherwise be tokenized again for every sampled row)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.known: dict[tuple[str, ...], list[int]] = {}
+
+    def __call__(self, choice: list[str]) -> list[int]:
+        key = tuple(choice)
+        if key not in self.known:
+            self.known[key] = [len(self.tokenizer.encode(text, add_special_tokens=False)) for text in choice]
+        return self.known[key]
 
 
 def shared_prefix_tokens(prompts: list[list[int]], block_size: int) -> int:
@@ -300,12 +359,11 @@ def lock_holder(out: OutputDir) -> int | None:
 
 
 def machine(device) -> dict[str, Any]:
-    """This machine as the bench archive describes one: CPU model name and core count."""
+    """This machine as the bench archive describes one: CPU model name, core count and kernel flags."""
     if device.type != "cpu":
         return {"type": device.type}
-    from batchgen.bench.harness import machine_info
     info = machine_info()
-    return {"type": "cpu", "cpu": info["cpu"], "cores": info["cores"]}
+    return {"type": "cpu", "cpu": info["cpu"], "cores": info["cores"], "cpu_flags": info["cpu_flags"]}
 
 
 def percentile(sorted_values: list[int], q: float) -> int:
@@ -313,8 +371,9 @@ def percentile(sorted_values: list[int], q: float) -> int:
 
 
 def seqs_at_once(plan: Plan) -> tuple[int, int]:
-    """(sequences of the median prompt + max_tokens length the KV pool holds at once, that length)."""
-    median = percentile(plan.tokens.with_output, 0.5)
+    """(sequences of the median prompt + max_tokens length (a `choice` row's: + its longest candidate) the KV pool
+    holds at once, that length)."""
+    median = percentile(plan.tokens.longest, 0.5)
     blocks = max(math.ceil(median / plan.config.engine.block_size), 1)
     return plan.kv_pool.num_blocks // blocks, median
 

@@ -75,14 +75,22 @@ def _tokens(plan: Plan) -> list[str]:
 
 def _fit(plan: Plan) -> list[str]:
     t, pool = plan.tokens, plan.kv_pool.tokens
-    if not t.with_output:
+    if not t.longest:
         return ["no row to generate in the sample"]
-    longest = t.with_output[-1]
-    verdict = "fits" if longest <= plan.context else \
-        "does not fit: such rows stop at the context (finish_reason length)"
+    longest = t.longest[-1]
+    too_long = sum(n > plan.context for n in t.longest)
+    if not too_long:
+        verdict = "fits"
+    elif t.choice_too_long < too_long:
+        verdict = "does not fit: such rows stop at the context (finish_reason length)"
+    else:
+        verdict = "does not fit: such rows are errors (a choice row's prompt and longest candidate must fit)"
+    what = "prompt + max_tokens"
+    if t.candidates[-1]:  # choice rows: one candidate at a time follows the prompt
+        what = "prompt + longest candidate" if t.candidates[0] else f"{what} (a choice row: + its longest candidate)"
     fits, median = seqs_at_once(plan)
     limit = "the KV pool" if fits < plan.config.engine.max_num_seqs else "max_num_seqs"
-    return [f"longest prompt + max_tokens {longest:,} vs context {plan.context:,} tokens "
+    return [f"longest {what} {longest:,} vs context {plan.context:,} tokens "
             f"(model {plan.shape.max_model_len:,}, KV pool {pool:,}): {verdict}",
             f"the KV pool holds {fits:,} sequences of the median length ({median:,} tokens) at once; "
             f"max_num_seqs {plan.config.engine.max_num_seqs}: {limit} limits the batch"]
@@ -104,17 +112,21 @@ def _memory(plan: Plan) -> list[str]:
         "kv": f"{plan.kv_blocks:,} of {kv.num_blocks:,} blocks x {e.block_size} tokens x {kv.bytes_per_token:,} B "
               f"(2 x {plan.shape.num_layers} layers x {plan.shape.num_kv_heads} kv heads x {plan.shape.head_dim} "
               f"x {size}); the pool from {kv.reason}"
-              + ("; resident: the rows' blocks (prompt + max_tokens, less prefix hits)" if plan.device.type == "cpu"
-                 else ""),
+              + ("; resident: the rows' blocks (prompt + max_tokens, less prefix hits"
+                 + ("; a choice row: its prompt's and each candidate's own" if plan.tokens.scored else "") + ")"
+                 if plan.device.type == "cpu" else ""),
         "activations": f"a {plan.step_tokens:,}-token step {_mib(act['step'])}, logits "
-                       f"{_mib(act['logits'])}" + (f", longest prompt's attention {_mib(act['attention'])}"
+                       f"{_mib(act['logits'])}" + (" (of scored candidates)" if plan.tokens.scored else "")
+                       + (f", longest prompt's attention {_mib(act['attention'])}"
                                                    if "attention" in act else ""),
+        "released": "the plain matmul weights and checkpoint pages, dropped once packed, before the KV blocks "
+                    "and steps take memory: the peak is the larger of loading and running",
         "window": "the sort window's token ids",
         "baseline": "this process now: python, torch, transformers, pyarrow, tokenizer, model modules"
                     + (" (it just converted the GGUF: overstated, plan again)" if plan.converted_now else ""),
     }
     names = {"weights": "weights", "mapped": "mapped", "packed": "packed", "kv": "KV pool", "activations": "activations",
-             "window": "sort window", "baseline": "baseline"}
+             "window": "sort window", "released": "released", "baseline": "baseline"}
     lines = [f"{what} ~{_mib(plan.peak)} = {share:.0%} of {_mib(plan.available)} {plan.available_source}: "
              f"{verdict} (warn over {MEMORY_WARN_SHARE:.0%}, refuse over 100%)"]
     lines += [f"{names[name]:<12}{_mib(value):>10}  {explain[name]}" for name, value in parts.items() if value]
