@@ -16,7 +16,8 @@ from batchgen.engine.request import Result
 from batchgen.job import sink as sink_module
 from batchgen.job.config import JobConfigError, parse_job
 from batchgen.job.schema import OUTPUT_COLUMNS, ROW_COLUMN, output_schema
-from batchgen.job.sink import SCRATCH_MARK, OutputDir, PartWriter, RowTotals, apply_plan, finalize
+from batchgen.job.final_rewrite import RowTotals, apply_plan, finalize
+from batchgen.job.sink import SCRATCH_MARK, OutputDir, PartWriter
 from batchgen.job.inputs import find_input_files, inspect_input
 from batchgen.job.source import SourceRow, read_source, sort_windows
 

@@ -22,7 +22,8 @@ SCRIPT = textwrap.dedent('''
     from batchgen.engine.request import Result
     from batchgen.job.config import parse_job
     from batchgen.job.runner import PreparedJob, job_fingerprint, fingerprint_text, stream_rows
-    from batchgen.job.sink import OutputDir, PartWriter, finalize
+    from batchgen.job.final_rewrite import finalize
+    from batchgen.job.sink import OutputDir, PartWriter
     from batchgen.job.inputs import inspect_input
     from batchgen.job.source import read_source
 

@@ -26,7 +26,8 @@ from batchgen.engine.errors import SettingError
 from .config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, setting_error
 from .resume import check_output, describe_changes, input_identity, output_errors
 from .schema import ROW_POSITION_ID_TYPE, OutputOptions, output_schema
-from .sink import OutputDir, PartWriter, RowTotals, apply_plan, final_part_schema, finalize, run_part_schema
+from .final_rewrite import RowTotals, apply_plan, finalize
+from .sink import OutputDir, PartWriter, final_part_schema, run_part_schema
 from .inputs import InputFiles, inspect_input
 from .source import SourceRow, read_source
 

@@ -1,5 +1,5 @@
-"""The output side of a job: results -> Parquet part files committed atomically, the resume ledger, and the
-final rewrite into input (or completion) order followed by `_SUCCESS`.
+"""The output side of a job: results -> Parquet part files committed atomically, and the resume ledger (the final
+rewrite into input or completion order, followed by `_SUCCESS`, is final_rewrite.py).
 
 Layout of `output.path` while a job runs:
     run-00000.parquet ...   committed parts in completion order, with an extra `_row` column (input position)
@@ -23,13 +23,11 @@ import re
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.engine.request import Result
@@ -374,113 +372,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# -- the final rewrite ---------------------------------------------------------------------------------------------
-
-@dataclass
-class RowTotals:
-    """Sums over the output rows, for _SUCCESS. `rows` counts input rows: with n > 1 a row has n output rows,
-    counted in `output_rows`. An error row is one output row, so rows_ok + rows_error == rows."""
-
-    rows: int = 0
-    output_rows: int = 0
-    rows_ok: int = 0
-    rows_error: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-    generated_prompt_tokens: int = 0  # prompt tokens of the rows that were not errors
-
-    def add(self, table: pa.Table) -> None:
-        """Add a table holding every output row of its input rows (`_row` included)."""
-        is_error = pc.equal(table["finish_reason"], "error")
-        errors = pc.sum(is_error).as_py() or 0
-        generated = pc.filter(table["prompt_tokens"], pc.invert(is_error))
-        self.generated_prompt_tokens += pc.sum(generated).as_py() or 0
-        rows = pc.count_distinct(table[ROW_COLUMN]).as_py()
-        self.rows += rows
-        self.output_rows += table.num_rows
-        self.rows_error += errors
-        self.rows_ok += rows - errors
-        for name, column in (("prompt_tokens", "prompt_tokens"), ("output_tokens", "output_tokens"),
-                             ("cached_tokens", "cached_tokens"), ("preemptions", "num_preemptions")):
-            setattr(self, name, getattr(self, name) + (pc.sum(table[column]).as_py() or 0))
-
-
-def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
-             summary: Callable[[RowTotals], dict]) -> dict:
-    """Rewrite the run parts as the final parts (input or completion order, without `_row`; `schema` is the
-    final parts', fingerprint included) and write _SUCCESS. Crash-safe: the final parts are built in the temp
-    directory while the run parts stay; then a plan naming what to remove and what to move in is committed, and
-    applied (again, on resume, if interrupted)."""
-    if out.staging.exists():
-        shutil.rmtree(out.staging)
-    out.staging.mkdir(parents=True)
-    run_parts = out.run_parts()
-    tables = ordered_tables(run_parts, total_rows, rows_per_part) if order == "input" \
-        else (read_part(p) for p in run_parts)
-    totals, names = RowTotals(), []
-    for table in tables:  # each holds all of its input rows' samples: they were committed in one run part
-        totals.add(table)
-        table = table.drop_columns([ROW_COLUMN]).cast(schema)
-        names.append(f"part-{len(names):05d}.parquet")
-        atomic_write(table, out, names[-1], directory=out.staging)
-    if not names:  # an empty input still gets one (empty) part, so that readers find a file
-        names.append("part-00000.parquet")
-        atomic_write(schema.empty_table(), out, names[-1], directory=out.staging)
-    if totals.rows != total_rows:
-        raise RuntimeError(f"internal error: {totals.rows} rows committed for {total_rows} input rows")
-    plan = {"remove": [p.name for p in run_parts], "add": names, "success": summary(totals)}
-    atomic_write_text(out.staging / PLAN, json.dumps(plan))
-    return apply_plan(out)
-
-
-def apply_plan(out: OutputDir) -> dict:
-    """Remove the run parts, move the final parts in, write _SUCCESS, remove the temp directory.
-    Every step can be repeated, so an interrupted apply is finished by applying again."""
-    plan = out.pending_plan()
-    for name in plan["remove"]:
-        (out.path / name).unlink(missing_ok=True)
-    for name in plan["add"]:
-        if (out.staging / name).exists():
-            os.replace(out.staging / name, out.path / name)
-    _fsync(out.path)
-    # scratch in the temp directory: a crash or a full disk here must not leave a file in the output
-    atomic_write_text(out.path / SUCCESS, json.dumps(plan["success"], indent=2) + "\n", scratch_dir=out.tmp)
-    shutil.rmtree(out.tmp, ignore_errors=True)
-    return plan["success"]
-
-
-def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -> Iterator[pa.Table]:
-    """The committed rows in input order, `rows_per_part` input positions per table (with their samples). Row groups
-    carry min/max statistics of `_row` and are sorted by it when read (an `order: completion` run wrote them
-    unsorted): walking the ranges in order, each row group is read once, when the first range it overlaps comes up,
-    and dropped after the last one. Memory follows the sort window (how far apart rows committed together lie in the
-    input), not the output size."""
-    groups = []  # (min row, max row, part, row group index)
-    for part in run_parts:
-        metadata = pq.ParquetFile(part).metadata
-        for i in range(metadata.num_row_groups):
-            if metadata.row_group(i).num_rows:
-                stats = _row_statistics(metadata, i)
-                groups.append((stats.min, stats.max, part, i))
-    groups.sort(key=lambda g: g[0])
-    loaded = 0
-    active: list[tuple[int, pa.Table, np.ndarray]] = []  # (max row, rows sorted by _row, their _row values)
-    for start in range(0, total_rows, rows_per_part):
-        stop = start + rows_per_part
-        while loaded < len(groups) and groups[loaded][0] < stop:
-            high, part, i = groups[loaded][1:]
-            table = in_row_order(read_part(part, row_group=i))  # unsorted if written with order: completion
-            active.append((high, table, table[ROW_COLUMN].to_numpy()))
-            loaded += 1
-        pieces = []
-        for _, table, rows in active:
-            first, end = np.searchsorted(rows, [start, stop])
-            if end > first:
-                pieces.append(table.slice(first, end - first))
-        active = [entry for entry in active if entry[0] >= stop]
-        if pieces:
-            yield in_row_order(pa.concat_tables(pieces))
