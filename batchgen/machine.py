@@ -47,3 +47,39 @@ def machine_info() -> dict[str, Any]:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "transformers": transformers.__version__, "python": platform.python_version(),
             "platform": platform.platform()}
+
+
+def process_rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def available_memory(device_type: str = "cpu") -> tuple[int, str]:
+    """Bytes a run could use now, and where the figure comes from: what `batchgen plan` and the job's pre-check
+    compare against. On the CPU: psutil's available memory, capped by this process's cgroup limit, plus this
+    process's RSS (it is the run, or gives it back when it exits). On CUDA: the device's free memory."""
+    if device_type == "cuda":
+        import torch
+        free, total = torch.cuda.mem_get_info()
+        return free, f"free on {torch.cuda.get_device_name()} ({total / 2**30:,.1f} GiB in all)"
+    import psutil
+    available, what = psutil.virtual_memory().available, "available (psutil)"
+    limit = cgroup_room()
+    if limit is not None and limit < available:
+        available, what = limit, "left under this cgroup's memory limit"
+    own = process_rss()
+    return available + own, f"{what} + this process's {own / 2**20:,.0f} MiB"
+
+
+def cgroup_room() -> int | None:
+    """The memory limit minus the usage of this process's cgroup (v2 or v1), or None without a limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = Path("/sys/fs/cgroup", limit_file).read_text().strip()
+            usage = int(Path("/sys/fs/cgroup", usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            return max(int(limit) - usage, 0)
+    return None

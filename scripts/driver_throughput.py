@@ -22,10 +22,11 @@ import pyarrow.parquet as pq
 
 from batchgen.engine import Result
 from batchgen.job.config import parse_job
-from batchgen.job.ray_executor import EngineReplica, run_on_ray
-from batchgen.job.runner import engine_args_for, fingerprint_text, prepare_job, stream_rows
-from batchgen.job.sink import PartWriter
-from batchgen.job.source import read_source
+from batchgen.job.executors.ray import EngineReplica, run_on_ray
+from batchgen.job.executors.local import stream_rows
+from batchgen.job.prepare import engine_args_for, fingerprint_text, prepare_job
+from batchgen.job.output.sink import PartWriter
+from batchgen.job.input.source import read_source
 from batchgen.models.loader import load_tokenizer, resolve_model
 
 

@@ -26,11 +26,11 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.engine.request import Result
-from batchgen.job import runner
+from batchgen.job.executors import local
 from batchgen.job.config import parse_job
-from batchgen.job.sink import OutputDir
-from batchgen.job.inputs import inspect_input
-from batchgen.job.source import read_source
+from batchgen.job.output.sink import OutputDir
+from batchgen.job.input.files import inspect_input
+from batchgen.job.input.source import read_source
 
 REPO = Path(__file__).resolve().parents[1]
 BAD = b"\xff\xfe not UTF-8"
@@ -90,7 +90,7 @@ class EchoEngine:
 
 
 class Loader:
-    """Replaces runner.load_engine: runs `before` (if set), then hands out a new EchoEngine."""
+    """Replaces local.load_engine: runs `before` (if set), then hands out a new EchoEngine."""
 
     def __init__(self):
         self.engines: list[EchoEngine] = []
@@ -106,7 +106,7 @@ class Loader:
 @pytest.fixture
 def loader(monkeypatch) -> Loader:
     loader = Loader()
-    monkeypatch.setattr(runner, "load_engine", loader)
+    monkeypatch.setattr(local, "load_engine", loader)
     return loader
 
 

@@ -20,16 +20,17 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.engine.request import Result
-from batchgen.job import runner
+from batchgen.job.executors import local
 from batchgen.job.config import JobConfigError, load_job, parse_job
-from batchgen.job.inputs import inspect_input
-from batchgen.job.json_output import LENGTH_ERROR, JsonType, json_type, parse_json_output, schema_json_type
-from batchgen.job.resume import describe_changes
-from batchgen.job.runner import PreparedJob, fingerprint_text, job_fingerprint, stream_rows
-from batchgen.job.schema import COLUMNS, ROW_COLUMN, OutputOptions, output_schema
-from batchgen.job.final_rewrite import finalize
-from batchgen.job.sink import OutputDir, PartWriter
-from batchgen.job.source import read_source
+from batchgen.job.input.files import inspect_input
+from batchgen.job.output.json_output import LENGTH_ERROR, JsonType, json_type, parse_json_output, schema_json_type
+from batchgen.job.output.resume import describe_changes
+from batchgen.job.executors.local import stream_rows
+from batchgen.job.prepare import PreparedJob, fingerprint_text, job_fingerprint
+from batchgen.job.output.schema import COLUMNS, ROW_COLUMN, OutputOptions, output_schema
+from batchgen.job.output.final_rewrite import finalize
+from batchgen.job.output.sink import OutputDir, PartWriter
+from batchgen.job.input.source import read_source
 
 SCHEMA = {"type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "integer"}},
           "required": ["label", "score"]}
@@ -581,7 +582,7 @@ def test_run_and_resume_give_every_sample_once(tmp_path, monkeypatch):
     path = cli_job(tmp_path, rows)
     out = tmp_path / "out"
     failing = FakeEngine(fail_after=3 * 3 + 1)  # three rows' samples, then one sample of the fourth row
-    monkeypatch.setattr(runner, "load_engine", lambda prepared: failing)
+    monkeypatch.setattr(local, "load_engine", lambda prepared: failing)
     result = CliRunner().invoke(main, ["run", str(path), "--quiet"])
     assert result.exit_code == 1 and "runtime failure: RuntimeError: device lost" in result.stderr
     committed = pa.concat_tables(pq.read_table(p) for p in sorted(out.glob("run-*.parquet")))
@@ -595,7 +596,7 @@ def test_run_and_resume_give_every_sample_once(tmp_path, monkeypatch):
                           if r == row) == [0, 1, 2]
 
     resumed = FakeEngine()
-    monkeypatch.setattr(runner, "load_engine", lambda prepared: resumed)
+    monkeypatch.setattr(local, "load_engine", lambda prepared: resumed)
     result = CliRunner().invoke(main, ["run", str(path)])
     assert result.exit_code == 0, result.output
     assert "6 (this run: 3): 6 ok, 0 error; 18 output rows (samples)" in result.stderr
@@ -619,7 +620,7 @@ def test_a_bad_row_regex_is_a_row_error_and_the_job_completes(tmp_path, monkeypa
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({"input": {"path": str(tmp_path / "in.parquet"), "chat_template": False},
                                     "sampling": {"choice": ["A", "B"]}, "output": {"path": str(tmp_path / "out")}}))
-    monkeypatch.setattr(runner, "load_engine", lambda prepared: FakeEngine())
+    monkeypatch.setattr(local, "load_engine", lambda prepared: FakeEngine())
     with caplog.at_level("INFO", logger="batchgen.job.runner"):
         result = CliRunner().invoke(main, ["run", str(path), "--quiet"])
     assert result.exit_code == 0, result.output
@@ -645,7 +646,7 @@ def test_job_level_constraint_errors_exit_2_before_the_model_loads(tmp_path, mon
     path.write_text(yaml.safe_dump({"input": {"path": str(tmp_path / "in.parquet")}, "sampling": sampling,
                                     "output": {"path": str(tmp_path / "out"), **output}}))
     loads = []
-    monkeypatch.setattr(runner, "load_engine", lambda prepared: loads.append(prepared))
+    monkeypatch.setattr(local, "load_engine", lambda prepared: loads.append(prepared))
     result = CliRunner().invoke(main, ["run", str(path)])
     assert result.exit_code == 2, (result.output, result.exception)
     assert result.stderr.strip().startswith(message) and "\n" not in result.stderr.strip()
@@ -670,7 +671,7 @@ def test_a_constrained_job_without_xgrammar_exits_2_with_the_pip_command(tmp_pat
 
 
 def test_the_engine_is_sized_for_every_sample_and_candidate_of_the_rows_left():
-    from batchgen.job.runner import engine_args_for
+    from batchgen.job.prepare import engine_args_for
 
     base = {"input": {"path": "x.parquet"}, "output": {"path": "out"}}
     assert engine_args_for(parse_job(base), 3).max_num_seqs == 3

@@ -26,9 +26,10 @@ from test_resume import commit_all_rows, fake_result, make_job, run_cli
 from batchgen.cli import main
 from batchgen.engine import Engine, EngineArgs
 from batchgen.job import JobConfigError, load_job, prepare_job
-from batchgen.job.runner import check_input_unchanged, execute_job, fingerprint_text
-from batchgen.job.schema import output_schema
-from batchgen.job.sink import FINGERPRINT_KEY, PartWriter
+from batchgen.job.prepare import check_input_unchanged, fingerprint_text
+from batchgen.job.runner import execute_job
+from batchgen.job.output.schema import output_schema
+from batchgen.job.output.sink import FINGERPRINT_KEY, PartWriter
 from batchgen.models.loader import UnsupportedModelError, load_model
 
 ERROR = "batchgen: error: "
@@ -87,12 +88,12 @@ def part_bytes(out: Path) -> dict[str, bytes]:
 FAILING_LOAD = """
 import sys
 from batchgen.cli import main
-from batchgen.job import runner
+from batchgen.job.executors import local
 
 def load_engine(job):
     raise {exception}
 
-runner.load_engine = load_engine
+local.load_engine = load_engine
 main(sys.argv[1:])
 """
 
@@ -495,7 +496,7 @@ def test_usage_errors_end_with_the_error_line(args, fragment):
 
 
 def test_plan_says_which_limit_a_too_long_prompt_hit_as_run_does(tmp_path):
-    from batchgen.job.plan import make_plan
+    from batchgen.job.plan.estimate import make_plan
 
     job = make_job(tmp_path, 2, engine={"max_model_len": 24})
     made = make_plan(load_job(job), False, 10, None, tmp_path / "no-archive.jsonl")

@@ -20,9 +20,9 @@ from test_bad_input import (deadline, echo_job, error_line, loader, questions,  
                             run_in_process, write)
 
 from batchgen.cli import main
-from batchgen.job import plan as plan_module
-from batchgen.job.runner import lock_output
-from batchgen.job.sink import SUCCESS, OutputDir
+from batchgen.job.plan import estimate as plan_module
+from batchgen.job.prepare import lock_output
+from batchgen.job.output.sink import SUCCESS, OutputDir
 
 
 def finished_output(tmp_path: Path, out: Path, rows: int = 20):

@@ -10,8 +10,9 @@ import yaml
 
 from batchgen.engine import EngineArgs, SamplingParams
 from batchgen.engine.errors import SettingError
-from batchgen.job.config import (ENGINE_KEYS, JOB_SAMPLING_DEFAULTS, TOP_LEVEL_KEYS, JobConfigError, apply_override,
-                                 load_job, parse_job, template_columns)
+from batchgen.job.config import (ENGINE_KEYS, JOB_SAMPLING_DEFAULTS, TOP_LEVEL_KEYS, JobConfigError, load_job,
+                                 parse_job, template_columns)
+from batchgen.job.job_file import apply_override
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -273,7 +274,8 @@ def test_setting_errors_map_to_job_keys_by_their_key_not_their_text(monkeypatch)
 
 def test_setting_errors_from_the_engine_at_load_are_job_errors(monkeypatch):
     import batchgen.engine
-    from batchgen.job.runner import PreparedJob, load_engine
+    from batchgen.job.executors.local import load_engine
+    from batchgen.job.prepare import PreparedJob
 
     config = job()
     prepared = PreparedJob(config, None, {}, None)

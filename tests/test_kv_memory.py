@@ -14,7 +14,7 @@ from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
 from batchgen.engine.errors import SettingError
 from batchgen.engine.kv_pool import blocks_in_use_at_most, size_kv_pool
 from batchgen.job import load_job
-from batchgen.job.runner import execute_job, prepare_job
+from batchgen.job import execute_job, prepare_job
 
 
 def greedy(n):

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from batchgen.models import loader as model_loader
-from batchgen.models.loader import (ModelError, ModelNotFoundError, ModelWeightsError, cache_root, eos_token_ids,
-                                   load_model, load_tokenizer, resolve_model)
+from batchgen.models import gguf_cache
+from batchgen.models.gguf_cache import cache_root
+from batchgen.models.loader import (ModelError, ModelNotFoundError, ModelWeightsError, eos_token_ids, load_model,
+                                   load_tokenizer, resolve_model)
 
 
 def test_default_resolves_to_a_cached_conversion(default_model_dir):
@@ -162,7 +163,7 @@ class FakeConverter:
 def test_gguf_conversion_is_cached_under_env_dir_and_keyed_on_the_file(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
     converter = FakeConverter()
-    monkeypatch.setattr(model_loader, "_convert_gguf", converter)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", converter)
     gguf = tmp_path / "my-model.gguf"
     gguf.write_bytes(b"v1")
     first = resolve_model(str(gguf))
@@ -179,7 +180,7 @@ def test_failed_conversion_leaves_nothing_behind(monkeypatch, tmp_path):
     def fail(out_dir):
         raise RuntimeError("conversion failed")
 
-    monkeypatch.setattr(model_loader, "_convert_gguf", FakeConverter(on_convert=fail))
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", FakeConverter(on_convert=fail))
     (tmp_path / "m.gguf").write_bytes(b"x")
     with pytest.raises(RuntimeError, match="conversion failed"):
         resolve_model(str(tmp_path / "m.gguf"))
@@ -199,7 +200,7 @@ def test_concurrent_conversion_uses_the_winner(monkeypatch, tmp_path):
         (target / "config.json").write_text('{"winner": true}')
         winner["dir"] = target
 
-    monkeypatch.setattr(model_loader, "_convert_gguf", FakeConverter(on_convert=other_process_finishes_first))
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", FakeConverter(on_convert=other_process_finishes_first))
     resolved = resolve_model(str(gguf))
     assert resolved == winner["dir"]
     assert json.loads((resolved / "config.json").read_text()) == {"winner": True}

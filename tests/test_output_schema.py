@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.engine.request import Result
-from batchgen.job.schema import (COLUMNS, KEEP_COLUMNS_ROW, OUTPUT_COLUMNS, ROW_POSITION_ID_TYPE, markdown_rows,
+from batchgen.job.output.schema import (COLUMNS, KEEP_COLUMNS_ROW, OUTPUT_COLUMNS, ROW_POSITION_ID_TYPE, markdown_rows,
                                  output_schema)
-from batchgen.job.sink import OutputDir, PartWriter
+from batchgen.job.output.sink import OutputDir, PartWriter
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

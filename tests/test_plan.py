@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from batchgen.cli import main
 from batchgen.job import load_job
-from batchgen.job.plan import make_plan
-from batchgen.job.runner import lock_output
-from batchgen.job.sink import OutputDir
+from batchgen.job.plan.estimate import make_plan
+from batchgen.job.prepare import lock_output
+from batchgen.job.output.sink import OutputDir
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("job", "input", "prompts", "tokens", "fit", "memory", "time", "cost", "output")
@@ -211,7 +211,7 @@ def test_job_errors_exit_2(tiny_job, args, message):
 
 
 def test_memory_verdict_warns_over_80_percent_and_refuses_over_100():
-    from batchgen.job.plan import memory_verdict
+    from batchgen.job.plan.estimate import memory_verdict
 
     assert memory_verdict(80 * 2**20, 100 * 2**20) == (None, None)
     assert memory_verdict(81 * 2**20, 100 * 2**20) == (None, "memory: the estimated peak (81 MiB) is 81% of the 100 "
@@ -250,8 +250,8 @@ def test_partial_output_is_read_not_taken(tiny_job, tmp_path):
     """Two of six rows committed by the run's own writer, as a killed run leaves them; the plan counts them."""
     from batchgen.engine.request import Result
     from batchgen.job import prepare_job
-    from batchgen.job.runner import fingerprint_text
-    from batchgen.job.sink import PartWriter
+    from batchgen.job.prepare import fingerprint_text
+    from batchgen.job.output.sink import PartWriter
 
     config = load_job(tiny_job, [f"output.path={tmp_path / 'out'}"])
     job = prepare_job(config)

@@ -108,7 +108,7 @@ def test_job_file_takes_engine_quantization():
 
 
 def test_plan_weight_bytes_follow_quantization(tiny_llama_dir, tiny_qwen2_dir):
-    from batchgen.job.memory import inspect_model
+    from batchgen.job.plan.memory import inspect_model
 
     for model_dir in (tiny_llama_dir, tiny_qwen2_dir):
         model = load_model(model_dir, torch.float32, "cpu")
@@ -143,8 +143,8 @@ def test_quantization_is_part_of_the_resume_fingerprint_only_when_on():
     from types import SimpleNamespace
 
     from batchgen.job.config import parse_job
-    from batchgen.job.resume import describe_changes
-    from batchgen.job.runner import job_fingerprint
+    from batchgen.job.output.resume import describe_changes
+    from batchgen.job.prepare import job_fingerprint
 
     raw = {"input": {"path": "in.parquet"}, "output": {"path": "out"}}
     no_inputs = SimpleNamespace(files=[], row_counts=[])

@@ -159,9 +159,9 @@ def test_windows_cover_every_row_not_committed_once(tmp_path):
     import pyarrow.parquet as pq
 
     from batchgen.job.config import parse_job
-    from batchgen.job.inputs import inspect_input
-    from batchgen.job.ray_executor import plan_windows
-    from batchgen.job.source import PromptBuilder, read_source, read_window
+    from batchgen.job.input.files import inspect_input
+    from batchgen.job.executors.ray import plan_windows
+    from batchgen.job.input.source import PromptBuilder, read_source, read_window
     from batchgen.models.loader import load_tokenizer, resolve_model
 
     (tmp_path / "in").mkdir()

@@ -19,11 +19,12 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.engine.request import Result
-from batchgen.job import load_job, prepare_job, runner
-from batchgen.job import sink as sink_module
+from batchgen.job import load_job, prepare, prepare_job
+from batchgen.job.executors import local
+from batchgen.job.output import sink as sink_module
 from batchgen.job.config import ROW_COLUMN
-from batchgen.job.sink import PartWriter
-from batchgen.job.runner import fingerprint_text
+from batchgen.job.output.sink import PartWriter
+from batchgen.job.prepare import fingerprint_text
 
 SYSTEM = "You are a friendly tutor. Answer the student's question in two or three sentences, simply and kindly."
 TOPICS = ["volcanoes", "photosynthesis", "fractions", "the moon", "rainbows", "magnets", "bees", "tides",
@@ -175,7 +176,7 @@ def test_crash_in_final_rewrite_is_finished_by_the_next_run(tmp_path, monkeypatc
 def test_runtime_failure_exits_1_and_keeps_what_finished(tmp_path, monkeypatch):
     """The real engine, stopped by a failure after three results: those three are committed."""
     job = make_job(tmp_path, 6, sampling={"max_tokens": 4}, engine={"max_num_seqs": 6}, output={"rows_per_part": 100})
-    real_load = runner.load_engine
+    real_load = local.load_engine
 
     class FailingAfterThree:
         def __init__(self, engine):
@@ -190,7 +191,7 @@ def test_runtime_failure_exits_1_and_keeps_what_finished(tmp_path, monkeypatch):
                     raise RuntimeError("device lost")
                 yield result
 
-    monkeypatch.setattr(runner, "load_engine", lambda prepared: FailingAfterThree(real_load(prepared)))
+    monkeypatch.setattr(local, "load_engine", lambda prepared: FailingAfterThree(real_load(prepared)))
     result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
     assert result.exit_code == 1
     assert "runtime failure: RuntimeError: device lost" in result.stderr and "re-run" in result.stderr
@@ -271,14 +272,14 @@ def test_a_run_that_finished_while_this_one_took_the_lock_is_not_redone(tmp_path
     and all), then B locks. B must see the finished job, not start it again over A's parts."""
     job = make_job(tmp_path, 4)
     commit_all_rows(job, 4)
-    real_lock = runner.lock_output
+    real_lock = prepare.lock_output
 
     def lock_after_the_other_run_finished(out):
         finished = run_cli(job, "--quiet")  # "A": finalizes the committed rows
         assert finished.returncode == 0, finished.stderr
         return real_lock(out)
 
-    monkeypatch.setattr(runner, "lock_output", lock_after_the_other_run_finished)
+    monkeypatch.setattr(prepare, "lock_output", lock_after_the_other_run_finished)
     prepared = prepare_job(load_job(job))
     assert prepared.complete is not None and prepared.complete["rows"] == 4 and prepared.lock_fd is None
     assert not (tmp_path / ".out.batchgen-tmp").exists()

@@ -13,13 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.engine.request import Result
-from batchgen.job import sink as sink_module
+from batchgen.job.output import sink as sink_module
 from batchgen.job.config import JobConfigError, parse_job
-from batchgen.job.schema import OUTPUT_COLUMNS, ROW_COLUMN, output_schema
-from batchgen.job.final_rewrite import RowTotals, apply_plan, finalize
-from batchgen.job.sink import SCRATCH_MARK, OutputDir, PartWriter
-from batchgen.job.inputs import find_input_files, inspect_input
-from batchgen.job.source import SourceRow, read_source, sort_windows
+from batchgen.job.output.schema import OUTPUT_COLUMNS, ROW_COLUMN, output_schema
+from batchgen.job.output.final_rewrite import RowTotals, apply_rewrite, finalize
+from batchgen.job.output.sink import SCRATCH_MARK, OutputDir, PartWriter
+from batchgen.job.input.files import find_input_files, inspect_input
+from batchgen.job.input.source import SourceRow, read_source, sort_windows
 
 
 @pytest.fixture(scope="module")
@@ -390,8 +390,8 @@ def test_finalize_crash_while_applying_is_finished_by_applying_again(tmp_path, m
     monkeypatch.setattr(sink_module.os, "replace", real_replace)
     # mid-way: run parts removed, one final part moved in, no _SUCCESS; the plan is still there
     assert out.run_parts() == [] and len(out.final_parts()) == 1 and out.success() is None
-    assert out.pending_plan() is not None
-    summary = apply_plan(out)
+    assert out.pending_rewrite() is not None
+    summary = apply_rewrite(out)
     assert summary["rows"] == 6 and out.success() == summary
     assert ds.dataset(out.path).to_table()["id"].to_pylist() == [f"id-{i}" for i in range(6)]
     assert not out.tmp.exists()
@@ -409,7 +409,7 @@ def test_finalize_crash_before_plan_leaves_run_parts(tmp_path, monkeypatch):
         finalize(out, SCHEMA, 3, "input", 2, summarize)
     monkeypatch.undo()
     assert sorted(p.name for p in out.run_parts()) == before and out.final_parts() == []
-    assert out.pending_plan() is None
+    assert out.pending_rewrite() is None
     finalize(out, SCHEMA, 3, "input", 2, summarize)  # a re-run starts the rewrite over
     assert ds.dataset(out.path).to_table()["id"].to_pylist() == ["id-0", "id-1", "id-2"]
 

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from batchgen.job.config import load_job, parse_job
-from batchgen.job.runner import job_fingerprint
-from batchgen.job.inputs import inspect_input
-from batchgen.job.source import read_source
+from batchgen.job.prepare import job_fingerprint
+from batchgen.job.input.files import inspect_input
+from batchgen.job.input.source import read_source
 
 # The CLI runs this checkout's batchgen, whatever an installed copy is.
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),

@@ -21,11 +21,12 @@ SCRIPT = textwrap.dedent('''
 
     from batchgen.engine.request import Result
     from batchgen.job.config import parse_job
-    from batchgen.job.runner import PreparedJob, job_fingerprint, fingerprint_text, stream_rows
-    from batchgen.job.final_rewrite import finalize
-    from batchgen.job.sink import OutputDir, PartWriter
-    from batchgen.job.inputs import inspect_input
-    from batchgen.job.source import read_source
+    from batchgen.job.executors.local import stream_rows
+    from batchgen.job.prepare import PreparedJob, job_fingerprint, fingerprint_text
+    from batchgen.job.output.final_rewrite import finalize
+    from batchgen.job.output.sink import OutputDir, PartWriter
+    from batchgen.job.input.files import inspect_input
+    from batchgen.job.input.source import read_source
 
     N, root = int(sys.argv[1]), Path(sys.argv[2])
     CHUNK = 100_000

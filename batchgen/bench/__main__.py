@@ -7,5 +7,5 @@ if __name__ == "__main__":
     if "--gpu" in sys.argv[1:]:
         from batchgen.bench.gpu.check import main
         sys.exit(main([arg for arg in sys.argv[1:] if arg != "--gpu"]))
-    from batchgen.cli import bench
+    from batchgen.bench.command import bench
     bench(prog_name="python -m batchgen.bench")

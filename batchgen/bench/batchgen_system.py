@@ -11,7 +11,7 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool, choice: list[st
     """With `choice`: every row is a labeling row answered by exact choice scoring over those labels (greedy), and
     its output is the label's tokens then EOS, as an unconstrained greedy answer of exactly that label would be."""
     from batchgen.engine import Engine, Request, SamplingParams
-    from batchgen.job.source import sort_windows
+    from batchgen.job.input.source import sort_windows
 
     name = "batchgen-choice" if choice else "batchgen" if prefix_caching else "batchgen-nocache"
     if choice and any(row.kind != "labeling" for row in rows):

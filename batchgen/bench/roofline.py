@@ -175,7 +175,7 @@ def kv_plan(config: RooflineConfig, dtype: str) -> tuple[int, int, str]:
 
     from batchgen.engine.engine_args import parse_bytes
     from batchgen.engine.startup import kv_bytes_per_token
-    from batchgen.job.memory import inspect_model
+    from batchgen.job.plan.memory import inspect_model
     from batchgen.models.loader import resolve_model
 
     torch_dtype = getattr(torch, dtype)

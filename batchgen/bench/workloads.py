@@ -125,7 +125,7 @@ LABELING_LABELS = ["positive", "negative", "neutral", "urgent"]  # the instructi
 # -- building prompts --------------------------------------------------------------------------------------------
 
 class PromptTokenizer:
-    """Chat-template a conversation and tokenize it the way batchgen.job.source does (template to text, then
+    """Chat-template a conversation and tokenize it the way batchgen.job.input.source does (template to text, then
     tokens without extra special tokens)."""
 
     def __init__(self, tokenizer: Any):
@@ -242,12 +242,12 @@ def random_token_rows(num_rows: int, prompt_lens: tuple[int, int], output_lens: 
 
 def job_workload(job_path: str | Path, tokenizer: Any, num_rows: int | None = None,
                  max_tokens_scale: float = 1.0) -> Workload:
-    """The rows of a job file's input, prompts built by batchgen.job.source exactly as `batchgen run` builds them
+    """The rows of a job file's input, prompts built by batchgen.job.input.source exactly as `batchgen run` builds them
     (including its sort), each with its max_tokens. Sampling is forced to greedy; stop strings, penalties and
     min_tokens are not applied (the baselines could not honour them all); error rows are left out."""
     from batchgen.job.config import load_job
-    from batchgen.job.inputs import inspect_input
-    from batchgen.job.source import read_source
+    from batchgen.job.input.files import inspect_input
+    from batchgen.job.input.source import read_source
 
     config = load_job(job_path)
     inputs = inspect_input(config)

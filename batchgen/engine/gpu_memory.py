@@ -1,5 +1,5 @@
-"""Sizing the KV cache on a CUDA device: run the largest step the scheduler can schedule once, measure the memory it
-takes beyond the weights, and give the KV cache gpu_memory_utilization of what is free minus that peak."""
+"""Measuring a CUDA device for the KV cache: run the largest step the scheduler can schedule once and measure the
+memory it takes beyond the weights (kv_pool.kv_cache_budget turns that into the cache's size)."""
 from __future__ import annotations
 
 import logging
@@ -36,11 +36,12 @@ def run_dummy_step(model: torch.nn.Module, num_tokens: int, max_num_seqs: int, b
     return logits.argmax(dim=-1)
 
 
-def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
-                    gpu_memory_utilization: float, attention_backend: str = "auto") -> int:
-    """Bytes for the KV cache: gpu_memory_utilization x the device's free memory (the weights already loaded),
-    less the peak a dummy step of max_num_batched_tokens tokens allocates. What 1 - gpu_memory_utilization leaves
-    covers what the profile does not see: CUDA graphs, the sampler's temporaries for random rows."""
+def profile_step(model: torch.nn.Module, max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
+                 attention_backend: str = "auto") -> tuple[int, int]:
+    """(the device's free bytes with the weights loaded, the peak a dummy step of max_num_batched_tokens tokens
+    allocates beyond them): what kv_pool.kv_cache_budget sizes the cache from on CUDA. What
+    1 - gpu_memory_utilization leaves covers what the profile does not see: CUDA graphs, the sampler's temporaries
+    for random rows."""
     device = model.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -51,8 +52,6 @@ def kv_cache_budget(model: torch.nn.Module, max_num_batched_tokens: int, max_num
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(free * gpu_memory_utilization) - peak
-    logger.info("KV cache budget %.2f GiB: %.2f of %.2f GiB free x gpu_memory_utilization %.2f, less a %.2f GiB "
-                "activation peak (a %d-token step)", budget / 2**30, free / 2**30, total / 2**30,
-                gpu_memory_utilization, peak / 2**30, max_num_batched_tokens)
-    return budget
+    logger.info("CUDA memory: %.2f of %.2f GiB free with the weights loaded; a %d-token step peaks at %.2f GiB",
+                free / 2**30, total / 2**30, max_num_batched_tokens, peak / 2**30)
+    return free, peak

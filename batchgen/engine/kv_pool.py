@@ -4,7 +4,9 @@ its rows, so a small job gets a small pool. (`batchgen plan` runs the same arith
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+from .engine_args import EngineArgs, parse_bytes
 from .errors import SettingError
 
 
@@ -54,3 +56,20 @@ def size_kv_pool(budget: int, budget_source: str, bytes_per_token: int, block_si
                           f"max_num_seqs {max_num_seqs} x ({context:,}-token context + 1 block), under "
                           f"kv_cache_memory {budget_source}")
     return KVPoolSize(budget_blocks, block_size, bytes_per_token, f"kv_cache_memory {budget_source}")
+
+
+def kv_cache_budget(args: EngineArgs, device_type: str,
+                    measure: Callable[[], tuple[int, int]] | None = None) -> tuple[int, str] | None:
+    """The KV cache's budget in bytes and where it comes from, by the one rule that the engine's start-up, `batchgen
+    plan` and the job's pre-check share: kv_cache_memory (on the CPU, its default when unset); on CUDA without it,
+    gpu_memory_utilization x the memory free with the weights loaded, less the largest step's peak. `measure()`
+    gives those two (the engine profiles a step, plan estimates it); without it that budget is not known before the
+    model loads: None."""
+    if args.kv_cache_memory is None and device_type == "cuda":
+        if measure is None:
+            return None
+        free, step_peak = measure()
+        budget = int(free * args.gpu_memory_utilization) - step_peak
+        return budget, (f"from gpu_memory_utilization {args.gpu_memory_utilization} ({max(budget, 0):,} bytes: "
+                        f"{free / 2**30:.2f} GiB free less a {step_peak / 2**30:.2f} GiB step)")
+    return parse_bytes(args.cpu_kv_cache_memory()), repr(args.cpu_kv_cache_memory())

@@ -18,12 +18,12 @@ from ..models.accounting import num_parameters, weight_bytes
 from ..models.packed_linear import pack_linears, packing_supported
 from .cpu_features import DtypeChoice, auto_cpu_dtype
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
-from .engine_args import EngineArgs, parse_bytes
+from .engine_args import EngineArgs
 from .errors import SettingError
-from .gpu_memory import kv_cache_budget
+from .gpu_memory import profile_step
 from .host_malloc import keep_step_memory
 from .kernel_warmup import compile_attention_kernels, uses_triton
-from .kv_pool import KVPoolSize, size_kv_pool
+from .kv_pool import KVPoolSize, kv_cache_budget, size_kv_pool
 from .model_runner import ModelRunner
 
 logger = logging.getLogger("batchgen")
@@ -159,13 +159,8 @@ def context_length(args: EngineArgs, model_max_len: int, num_blocks: int) -> int
 def kv_pool_size(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, device: torch.device) -> KVPoolSize:
     m = model
     bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
-    if args.kv_cache_memory is None and device.type == "cuda":
-        # what is free after the weights and a profiling step, times the utilisation
-        budget = kv_cache_budget(m, args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
-                                 args.gpu_memory_utilization, args.attention_backend)
-        source = f"from gpu_memory_utilization {args.gpu_memory_utilization} ({max(budget, 0)} bytes)"
-    else:
-        budget, source = parse_bytes(args.cpu_kv_cache_memory()), repr(args.cpu_kv_cache_memory())
+    budget, source = kv_cache_budget(args, device.type, lambda: profile_step(
+        m, args.max_num_batched_tokens, args.max_num_seqs, args.block_size, args.attention_backend))
     context = min(args.max_model_len or m.max_model_len, m.max_model_len)
     pool = size_kv_pool(budget, source, bytes_per_token, args.block_size, args.max_num_seqs, context)
     logger.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dims x %s), %d blocks of %d = %d tokens,"

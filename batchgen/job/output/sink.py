@@ -33,12 +33,12 @@ import pyarrow.parquet as pq
 from batchgen.engine.request import Result
 
 from .json_output import JsonType, parse_json_output
-from .parquet_read import first_line
+from ..input.parquet_read import first_line
 from .schema import ID_COLUMN, JSON_COLUMN, OUTPUT_COLUMNS, RESULT_COLUMNS, ROW_COLUMN, SAMPLE_COLUMN
 
 FINGERPRINT_KEY = b"batchgen.fingerprint"
 SUCCESS = "_SUCCESS"
-PLAN = "_PLAN.json"
+REWRITE_MANIFEST = "_PLAN.json"  # the final rewrite's manifest (final_rewrite.py); the name on disk predates `batchgen plan`
 # Where older versions half-wrote _SUCCESS (its scratch now lives in the temp directory): batchgen's own, removed when
 # a run takes the output.
 LEFTOVER_SUCCESS_SCRATCH = SUCCESS + ".inprogress"
@@ -199,9 +199,9 @@ class OutputDir:
             return None
         return summary if isinstance(summary, dict) else None
 
-    def pending_plan(self) -> dict | None:
+    def pending_rewrite(self) -> dict | None:
         """A finalization that was decided but maybe not fully applied (a crash during the final renames)."""
-        path = self.staging / PLAN
+        path = self.staging / REWRITE_MANIFEST
         if not path.is_file():
             return None
         try:
@@ -252,7 +252,7 @@ def _is_scratch_entry(entry: Path) -> bool:
     if entry.name == "lock" or entry.name.endswith(".inprogress"):
         return entry.is_file()
     if entry.name == "final" and entry.is_dir():
-        return all(not p.is_symlink() and p.is_file() and (FINAL_PART.fullmatch(p.name) or p.name == PLAN
+        return all(not p.is_symlink() and p.is_file() and (FINAL_PART.fullmatch(p.name) or p.name == REWRITE_MANIFEST
                                                            or p.name.endswith(".inprogress")) for p in entry.iterdir())
     return False
 

@@ -1,5 +1,5 @@
 """`batchgen plan`: a job's whole pre-flight without loading the model's weights. The checks are run's own
-(runner.py's pieces, without the output lock); the tokenizer loads, the model is built on the meta device, and a
+(prepare.py's, without the output lock); the tokenizer loads, the model is built on the meta device, and a
 sample of rows goes through the job's source (prompt building, tokenizing, sorting) to measure the prompts.
 Nothing is written: the output directory is only read."""
 from __future__ import annotations
@@ -13,18 +13,17 @@ from typing import Any
 import numpy as np
 
 from batchgen.engine.block_pool import hash_block
-from batchgen.engine.engine_args import parse_bytes
 from batchgen.engine.errors import SettingError
 from batchgen.engine.kv_pool import KVPoolSize
-from batchgen.machine import machine_info
+from batchgen.machine import available_memory, machine_info, process_rss
 
 from . import memory
-from .config import JobConfig, JobConfigError, setting_error
-from .inputs import InputFiles
-from .resume import check_output, output_errors
-from .runner import PreparedJob, check_chat_template, engine_args_for, inspect_job
-from .sink import OutputDir
-from .source import SourceRow, read_source
+from ..config import JobConfig, JobConfigError, setting_error
+from ..input.files import InputFiles
+from ..output.resume import check_output, output_errors
+from ..prepare import PreparedJob, check_chat_template, engine_args_for, inspect_job
+from ..output.sink import OutputDir
+from ..input.source import SourceRow, read_source
 from .throughput import TimeEstimate, estimate_time
 
 # Over this share of the available memory the plan warns; over all of it, it refuses (exit 2).
@@ -99,7 +98,7 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     model_dir, tokenizer, converted_now = load_model_files(config)
     shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu",
                                            config.engine.quantization)
-    baseline = memory.process_rss()  # what a run holds before its weights: see memory.py
+    baseline = process_rss()  # what a run holds before its weights: see memory.py
     pool = size_kv_pool(config, shape, weights, dtype, device, rows_left)
     context = context_length(config.engine, shape.max_model_len, pool.num_blocks)
     limit = context_limit(config.engine, shape.max_model_len, pool.num_blocks)
@@ -120,7 +119,7 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
             parts["released"] = memory.released_after_packing(
                 weights, parts["kv"] + parts["activations"] + parts["window"])
         parts["baseline"] = baseline
-    available, available_source = memory.available_memory(device)
+    available, available_source = available_memory(device.type)
     problem, warning = memory_verdict(sum(parts.values()), available)
     problems += [problem] if problem else []
 
@@ -148,19 +147,18 @@ def size_kv_pool(config: JobConfig, shape: memory.ModelShape, weights: memory.We
     """The KV pool by the engine's arithmetic, for the engine settings a run of `rows_left` rows gets (runner's
     engine_args_for). On CUDA without a kv_cache_memory the engine profiles a step; the plan uses its activation
     estimate instead."""
-    from batchgen.engine.kv_pool import size_kv_pool as engine_size_kv_pool
+    from batchgen.engine.kv_pool import kv_cache_budget, size_kv_pool as engine_size_kv_pool
     from batchgen.engine.startup import kv_bytes_per_token
 
     args = engine_args_for(config, rows_left)
     per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
-    if args.kv_cache_memory is None and device.type == "cuda":
+
+    def estimate_cuda() -> tuple[int, int]:  # what the engine measures by profiling a step, estimated
         step = memory.activation_bytes(shape, dtype, args.max_num_batched_tokens,
                                        min(args.max_num_seqs, args.max_num_batched_tokens), 0, on_cpu=False)
-        free, _ = memory.available_memory(device)
-        budget = int((free - weights.loaded) * args.gpu_memory_utilization) - sum(step.values())
-        source = f"from gpu_memory_utilization {args.gpu_memory_utilization} (estimated)"
-    else:
-        budget, source = parse_bytes(args.cpu_kv_cache_memory()), f"{args.cpu_kv_cache_memory()!r}"
+        return available_memory(device.type)[0] - weights.loaded, sum(step.values())
+
+    budget, source = kv_cache_budget(args, device.type, estimate_cuda)
     context = min(args.max_model_len or shape.max_model_len, shape.max_model_len)
     try:
         return engine_size_kv_pool(budget, source, per_token, args.block_size, args.max_num_seqs, context)
@@ -212,11 +210,11 @@ def load_model_files(config: JobConfig):
     from batchgen.models import ModelError
     from batchgen.models.loader import load_tokenizer, resolve_model
 
-    before = memory.process_rss()
+    before = process_rss()
     try:
         model_dir = resolve_model(config.model)
         # A conversion loads the whole model in this process: the baseline measured below then overstates a run's.
-        converted_now = memory.process_rss() - before > 256 * 2**20
+        converted_now = process_rss() - before > 256 * 2**20
         tokenizer = load_tokenizer(model_dir)
     except ModelError as exc:
         raise JobConfigError(f"model: {exc}") from None
@@ -329,12 +327,12 @@ def output_status(job: PreparedJob, overwrite: bool) -> tuple[str, int, list[str
     if holder is not None:
         message = f"output.path: another batchgen run is writing {out.path} (pid {holder})"
         return f"refused: {message}", total, [message]
-    if overwrite and (out.names() or out.pending_plan() is not None):
+    if overwrite and (out.names() or out.pending_rewrite() is not None):
         return "--overwrite: run discards what this output holds and starts over", total, []
     if complete is not None:
         return f"complete ({complete.get('rows', 0):,} rows, _SUCCESS): run does nothing (--overwrite runs it " \
                f"again)", 0, []
-    if out.pending_plan() is not None:
+    if out.pending_rewrite() is not None:
         return "every row committed, final parts half moved: run finishes that without loading the model", 0, []
     if done:
         return f"{done:,} of {total:,} rows committed: run resumes with the other {total - done:,}", total - done, []

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
-from .config import JobConfigError
+from ..config import JobConfigError
 from .sink import FINGERPRINT_KEY, RUN_PART, TMP_SUFFIX, DamagedFileError, OutputDir
 
 # The Parquet tail: a 4-byte little-endian footer length, then the magic bytes.
@@ -51,12 +51,12 @@ def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool,
                              f"choose another output.path")
     if overwrite:
         return None
-    plan = out.pending_plan()
+    rewrite = out.pending_rewrite()
     success = out.success()
-    if plan is not None or success is not None:
-        previous = (plan or {}).get("success") or success
+    if rewrite is not None or success is not None:
+        previous = (rewrite or {}).get("success") or success
         _refuse_changes(where, previous.get("fingerprint", {}), fingerprint)
-        return success if plan is None else None
+        return success if rewrite is None else None
     if out.final_parts():
         raise JobConfigError(f"{where} holds finished parts but no _SUCCESS; re-run with --overwrite to start over")
     for part, schema in out.run_part_schemas().items():

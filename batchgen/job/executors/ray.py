@@ -24,7 +24,10 @@ from typing import Any, Callable, Iterator
 
 from batchgen.engine import Request, Result
 
-from .config import JobConfig
+from ..config import JobConfig
+from ..output.sink import PartWriter
+from ..prepare import PreparedJob, check_chat_template, engine_args_for
+from .base import ExecutorRun, error_result, result_groups
 
 
 @dataclass
@@ -88,7 +91,7 @@ class EngineReplica:
         import ray
         import torch
 
-        from .source import PromptBuilder
+        from ..input.source import PromptBuilder
 
         torch.set_num_threads(threads)
         self.config, self.inputs = config, inputs
@@ -103,8 +106,7 @@ class EngineReplica:
         return Engine(engine_args)
 
     def __call__(self, batch: dict) -> Iterator[dict]:
-        from .runner import error_result, result_groups
-        from .source import read_window
+        from ..input.source import read_window
 
         for start, stop, done in zip(batch["start"], batch["stop"], batch["done"]):
             rows = read_window(self.config, self.inputs, self.builder, int(start), int(stop), bytes(done))
@@ -195,3 +197,21 @@ def _cluster_has_gpus() -> bool:
     import ray
 
     return ray.cluster_resources().get("GPU", 0) > 0
+
+
+class RayExecutor:
+    def run(self, job: PreparedJob, sink: PartWriter, on_row: Callable[[list[Result]], None],
+            on_start: Callable[[], None]) -> ExecutorRun:
+        """The rows left on Ray replicas; this process (the driver) writes them."""
+        from batchgen.models.loader import load_tokenizer, resolve_model
+
+        config = job.config
+        check_chat_template(config, load_tokenizer(resolve_model(config.model)))
+        on_start()
+
+        def write(row: int, ident: Any, keep: tuple, results: list[Result], parse_json: bool, replica: int) -> None:
+            sink.add(row, ident, keep, *results, parse_json=parse_json, replica=replica)
+            on_row(results)
+
+        replicas = run_on_ray(config, job.inputs, job.done, engine_args_for(config, job.done.count(0)), write)
+        return ExecutorRun(replicas=replicas)

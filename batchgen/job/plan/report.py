@@ -1,8 +1,8 @@
 """`batchgen plan`'s screen: one section per line group, figures with the arithmetic behind them."""
 from __future__ import annotations
 
-from .plan import MEMORY_WARN_SHARE, Plan, percentile, seqs_at_once
-from .inputs import read_columns
+from .estimate import MEMORY_WARN_SHARE, Plan, percentile, seqs_at_once
+from ..input.files import read_columns
 
 WIDTH = 118  # a prompt is shown on one line, its middle elided beyond this
 

@@ -14,7 +14,7 @@ from batchgen.engine.request import Result
 from .json_output import JsonType, schema_json_type
 
 if TYPE_CHECKING:
-    from .config import JobConfig
+    from ..config import JobConfig
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 from batchgen.engine.request import SamplingParams
 from batchgen.user_files import UserFileError, check_regular_file
 
-from .config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
+from ..config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
 from .parquet_read import InputReadError, first_line, open_parquet, scan_file
 
 

@@ -13,8 +13,8 @@ from typing import Any, Iterable, Iterator, Protocol
 
 from batchgen.engine.request import CONSTRAINT_KEYS, SamplingParams
 
-from .config import ROW_INTEGER_KEYS, ROW_SAMPLING_KEYS, JobConfig
-from .inputs import InputFiles, read_columns, required_columns
+from ..config import ROW_INTEGER_KEYS, ROW_SAMPLING_KEYS, JobConfig
+from .files import InputFiles, read_columns, required_columns
 from .parquet_read import Unreadable, batch_values, file_batches, file_range
 from .parquet_read import first_line as _first_line
 from .special_tokens import PromptEncoder, PromptText, SpecialTokenError

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .keys import JobConfigError
+from ..keys import JobConfigError
 
 _SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -201,39 +201,6 @@ def activation_bytes(shape: ModelShape, dtype: torch.dtype, step_tokens: int, st
         query = min(longest_prompt, step_tokens)
         parts["attention"] = int(ATTENTION_SCORE_COPIES * shape.num_heads * query * longest_prompt * size)
     return parts
-
-
-def process_rss() -> int:
-    import psutil
-    return psutil.Process().memory_info().rss
-
-
-def available_memory(device: torch.device) -> tuple[int, str]:
-    """Bytes a run could use now, and where the figure comes from. On the CPU: psutil's available memory (capped
-    by a cgroup limit) plus this process's RSS, which it gives back when it exits."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return free, f"free on {torch.cuda.get_device_name(device)} ({_gib(total)} in all)"
-    import psutil
-    available, what = psutil.virtual_memory().available, "available (psutil)"
-    limit = _cgroup_room()
-    if limit is not None and limit < available:
-        available, what = limit, "left under this cgroup's memory limit"
-    return available + process_rss(), f"{what} + this process's {_mib(process_rss())}"
-
-
-def _cgroup_room() -> int | None:
-    """The memory limit minus the usage of this process's cgroup (v2 or v1), or None without a limit."""
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            limit = Path("/sys/fs/cgroup", limit_file).read_text().strip()
-            usage = int(Path("/sys/fs/cgroup", usage_file).read_text())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 1 << 60:
-            return max(int(limit) - usage, 0)
-    return None
 
 
 def _mib(n: float) -> str:

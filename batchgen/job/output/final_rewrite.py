@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from . import sink  # its writes called through the module: tests stand in for them
 from .schema import ROW_COLUMN
-from .sink import PLAN, SUCCESS, OutputDir, _row_statistics, in_row_order, read_part
+from .sink import REWRITE_MANIFEST, SUCCESS, OutputDir, _row_statistics, in_row_order, read_part
 
 
 @dataclass
@@ -56,7 +56,7 @@ def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, row
              summary: Callable[[RowTotals], dict]) -> dict:
     """Rewrite the run parts as the final parts (input or completion order, without `_row`; `schema` is the
     final parts', fingerprint included) and write _SUCCESS. Crash-safe: the final parts are built in the temp
-    directory while the run parts stay; then a plan naming what to remove and what to move in is committed, and
+    directory while the run parts stay; then a manifest naming what to remove and what to move in is committed, and
     applied (again, on resume, if interrupted)."""
     if out.staging.exists():
         shutil.rmtree(out.staging)
@@ -75,25 +75,25 @@ def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, row
         sink.atomic_write(schema.empty_table(), out, names[-1], directory=out.staging)
     if totals.rows != total_rows:
         raise RuntimeError(f"internal error: {totals.rows} rows committed for {total_rows} input rows")
-    plan = {"remove": [p.name for p in run_parts], "add": names, "success": summary(totals)}
-    sink.atomic_write_text(out.staging / PLAN, json.dumps(plan))
-    return apply_plan(out)
+    manifest = {"remove": [p.name for p in run_parts], "add": names, "success": summary(totals)}
+    sink.atomic_write_text(out.staging / REWRITE_MANIFEST, json.dumps(manifest))
+    return apply_rewrite(out)
 
 
-def apply_plan(out: OutputDir) -> dict:
+def apply_rewrite(out: OutputDir) -> dict:
     """Remove the run parts, move the final parts in, write _SUCCESS, remove the temp directory.
     Every step can be repeated, so an interrupted apply is finished by applying again."""
-    plan = out.pending_plan()
-    for name in plan["remove"]:
+    manifest = out.pending_rewrite()
+    for name in manifest["remove"]:
         (out.path / name).unlink(missing_ok=True)
-    for name in plan["add"]:
+    for name in manifest["add"]:
         if (out.staging / name).exists():
             os.replace(out.staging / name, out.path / name)
     sink._fsync(out.path)
     # scratch in the temp directory: a crash or a full disk here must not leave a file in the output
-    sink.atomic_write_text(out.path / SUCCESS, json.dumps(plan["success"], indent=2) + "\n", scratch_dir=out.tmp)
+    sink.atomic_write_text(out.path / SUCCESS, json.dumps(manifest["success"], indent=2) + "\n", scratch_dir=out.tmp)
     shutil.rmtree(out.tmp, ignore_errors=True)
-    return plan["success"]
+    return manifest["success"]
 
 
 def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -> Iterator[pa.Table]:

