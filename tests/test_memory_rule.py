@@ -36,22 +36,25 @@ def test_cgroup_limit_caps_what_is_available(monkeypatch):
 
 @pytest.fixture
 def job_under_a_cgroup(tmp_path, tiny_chat_model, monkeypatch):
-    """A job whose 3 GiB KV cache fits the machine but not a cgroup with 1 GiB left (the process's own memory on
-    top stays well under 2 GiB)."""
+    """A job whose KV cache fits the machine but not a cgroup with 1 GiB left: sized from this process's own memory,
+    which the figure adds (a test process that ran others holds GiBs)."""
+    uncapped = machine.available_memory()[0]
     monkeypatch.setattr(machine, "cgroup_room", lambda: GiB)
-    assert machine.available_memory()[0] < 3 * GiB
+    size_mib = machine.available_memory()[0] // 2**20 + 512
+    assert size_mib * 2**20 < uncapped
     inputs = write_input(tmp_path / "in.parquet", ["hello", "world"])
-    return write_job(tmp_path, tiny_chat_model, inputs, engine={"kv_cache_memory": "3GiB"})
+    return write_job(tmp_path, tiny_chat_model, inputs, engine={"kv_cache_memory": f"{size_mib}MiB"}), size_mib
 
 
 def test_run_refuses_a_kv_cache_over_the_cgroup_limit(job_under_a_cgroup):
-    with pytest.raises(JobConfigError, match=r"engine.kv_cache_memory: '3GiB' \(3.0 GiB\) is more than the memory "
-                                             r"available \(.* left under this cgroup's memory limit"):
-        inspect_job(load_job(job_under_a_cgroup))
+    job, size_mib = job_under_a_cgroup
+    with pytest.raises(JobConfigError, match=rf"engine.kv_cache_memory: '{size_mib}MiB' \(.* GiB\) is more than the "
+                                             rf"memory available \(.* left under this cgroup's memory limit"):
+        inspect_job(load_job(job))
 
 
 def test_plan_refuses_it_the_same_way(job_under_a_cgroup):
-    result = plan_cli(job_under_a_cgroup)
+    result = plan_cli(job_under_a_cgroup[0])
     assert result.exit_code == 2, result.output
     assert "left under this cgroup's memory limit" in result.output
 
