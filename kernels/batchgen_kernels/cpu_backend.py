@@ -54,8 +54,11 @@ def paged_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """Attention for a whole varlen step ([T, Hq, D]): one kernel call for the decodes, one for the prefills."""
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """Attention for a whole varlen step ([T, Hq, D]): one kernel call for the decodes, one for the prefills.
+    A sliding window goes to the reference (the kernels do not take one yet)."""
+    if window is not None:
+        return reference.paged_attention(q, k_cache, v_cache, md, scale, window)
     nd = md.num_decodes
     if nd == md.num_seqs:  # a decode-only step: the kernel's output is the whole answer
         return paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)

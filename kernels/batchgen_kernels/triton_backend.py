@@ -16,9 +16,13 @@ __all__ = ["paged_attention", "paged_decode", "paged_prefill", "store_kv"]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int | None = None) -> torch.Tensor:
     """Attention for a whole varlen step ([T, Hq, D]): one decode launch (plus its split reduction) for the
-    first md.num_decodes sequences, one prefill launch for the rest. Reads nothing back from the device."""
+    first md.num_decodes sequences, one prefill launch for the rest. Reads nothing back from the device.
+    A sliding window goes to the reference (the kernels do not take one yet)."""
+    if window is not None:
+        from . import reference
+        return reference.paged_attention(q, k_cache, v_cache, md, scale, window)
     for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
