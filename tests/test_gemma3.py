@@ -45,7 +45,8 @@ def tiny(tiny_gemma3_dir):
 
 
 @pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 16}, {"enable_prefix_caching": False},
-                                      {"max_num_seqs": 1}], ids=["batched", "chunked", "no-prefix-cache", "alone"])
+                                      {"max_num_seqs": 1}, {"attention_backend": "cpu", "max_num_batched_tokens": 16}],
+                         ids=["batched", "chunked", "no-prefix-cache", "alone", "cpu-kernels"])
 def test_tiny_gemma3_matches_transformers_past_its_window(tiny_gemma3_dir, tiny, settings):
     hf, prompts, references = tiny
     engine = engine_for(tiny_gemma3_dir, **settings)
