@@ -76,19 +76,20 @@ def inspect_job(config: JobConfig) -> PreparedJob:
     location, device and memory (the engine settings were validated with the job)."""
     inputs = inspect_input(config)
     check_executor(config)
-    model = check_model(config.model, config.input.chat_template)
+    model = check_model(config.model, config.input.chat_template is True)
     check_device(config.device)
     check_kv_cache_memory(config.engine)
     return PreparedJob(config, inputs, job_fingerprint(config, model, inputs), OutputDir(config.output.path))
 
 
 def check_chat_template(config: JobConfig, tokenizer) -> None:
-    if config.input.chat_template and getattr(tokenizer, "chat_template", None) is None:
+    if config.input.chat_template is True and getattr(tokenizer, "chat_template", None) is None:
         raise no_chat_template(config.model)
 
 
 def no_chat_template(model: str) -> JobConfigError:
-    return JobConfigError(f"input.chat_template: model {model} has no chat template; set input.chat_template: false")
+    return JobConfigError(f"input.chat_template: model {model} has no chat template; set input.chat_template: false "
+                          f"(or give one: input.chat_template: <a Jinja template>)")
 
 
 def check_executor(config: JobConfig) -> None:
@@ -103,7 +104,7 @@ def check_executor(config: JobConfig) -> None:
 
 def check_model(ref: str, chat_template: bool) -> str:
     """Where the model is, checked cheaply (no loading, no conversion), and that it has a chat template when the
-    job uses one: what identifies it in the fingerprint."""
+    job uses the model's own (`chat_template`): what identifies it in the fingerprint."""
     from batchgen.models.loader import ModelError, has_chat_template, locate_model
     from batchgen.models.named import NAMED_MODELS
 

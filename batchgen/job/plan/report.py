@@ -39,7 +39,8 @@ def _input(plan: Plan) -> list[str]:
 
 def _prompts(plan: Plan) -> list[str]:
     cfg = plan.config.input
-    how = "chat template" if cfg.chat_template else "raw text (no chat template)"
+    how = ("the job's chat template" if isinstance(cfg.chat_template, str) else "chat template") \
+        if cfg.chat_template else "raw text (no chat template)"
     source = "template" if cfg.template else f"column {cfg.messages_column or cfg.prompt_column!r}"
     system = " + system prompt" if cfg.system_prompt else f" + system column {cfg.system_column!r}" \
         if cfg.system_column else ""
