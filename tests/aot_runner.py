@@ -3,7 +3,8 @@ says why and how): `python tests/aot_runner.py --target sm_90 [--specialisations
 
 It writes the report of every case of the engine's matrix and of the planted bugs, the kernels the Triton modules
 define, and with --specialisations the variants a realistic run compiles: after the engine's warm-up, then after
-a sequence of eager and CUDA-graph steps on a Llama-3.2-1B-shaped model (on the meta device, 132 SMs as an H200).
+a sequence of eager and CUDA-graph steps on a Llama-3.2-1B-shaped model whose first layer has a sliding window, as
+Gemma 3's local layers do (on the meta device, 132 SMs as an H200).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from batchgen_kernels import AttentionMetadata, triton_aot, triton_decode, trito
 
 KERNEL_MODULES = (triton_store, triton_decode, triton_prefill)
 MAX_MODEL_LEN = 131072  # Llama 3's context: what the CUDA graphs' metadata holds
+WINDOW = 512  # Gemma 3's sliding window: a multiple of 16, which Triton would specialise on
 BLOCK_SIZE = 16
 H200_SMS = 132
 
@@ -36,14 +38,16 @@ def defined_kernels() -> list[str]:
 
 
 def meta_model() -> torch.nn.Module:
-    """Llama-3.2-1B's attention (32 query heads over 8 KV heads of 64) in bf16, two layers, on the meta device,
-    bound to a meta KV cache and the Triton backend."""
+    """Llama-3.2-1B's attention (32 query heads over 8 KV heads of 64) in bf16, two layers, the first one local
+    (a sliding window, as in Gemma 3) and the second global, on the meta device, bound to a meta KV cache and the
+    Triton backend."""
     config = LlamaConfig(vocab_size=1024, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                          max_position_embeddings=MAX_MODEL_LEN)
     with torch.device("meta"):
         model = build_model(config)
     model = model.to(device="meta", dtype=torch.bfloat16).eval()
+    model.model.layers[0].self_attn.attn.sliding_window = WINDOW
     cache = torch.empty((model.num_layers, 2, 4096, BLOCK_SIZE, model.num_kv_heads, model.head_dim),
                         dtype=torch.bfloat16, device="meta")
     model.bind_kv_cache([cache[i, 0] for i in range(model.num_layers)], [cache[i, 1] for i in range(model.num_layers)],

@@ -1,7 +1,8 @@
 """Random attention cases shared by the kernel tests (Triton and C++ CPU) and their oracle comparison.
 
 Every cache is filled with random values everywhere, and block tables are shuffled, so a kernel that reads a wrong
-slot, block or position gets different numbers, not zeros that happen to match.
+slot, block or position gets different numbers, not zeros that happen to match. Sliding-window cases (Gemma 3's local
+layers) come with the windows to try and the contexts around them.
 """
 import torch
 
@@ -59,3 +60,45 @@ def make_case(query_lens, seq_lens, *, block_size=16, num_kv_heads=2, group=3, h
 
 def assert_close(actual, expected):
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[expected.dtype])
+
+
+# Windows: smaller than a 16-token block, between the kernels' tiles (not a multiple of the blocks), above the tiles.
+WINDOWS = (7, 40, 100)
+
+
+def window_decode_lens(window):
+    """Decode contexts shorter than, equal to, just past, and far longer than the window."""
+    return [1, window - 1, window, window + 1, 3 * window + 5, 40 * window]
+
+
+def window_prefill_lens(window):
+    """(query_lens, seq_lens) of prefills around the window: a whole prompt within it, one a few windows long, a chunk
+    across the window's edge (its first rows see key 0, its later ones do not), a chunk after a cached prefix longer
+    than the window, a chunk longer than the window."""
+    return ([window // 2 + 2, 2 * window + 7, 20, 40, window + 33],
+            [window // 2 + 2, 2 * window + 7, window + 15, 3 * window + 42, window + 43])
+
+
+def poison_unused_slots(cache, md, window=None):
+    """A copy of `cache` with NaN in every slot no query of the step may see: past each sequence's end inside its last
+    block, in blocks nobody owns, and under a sliding window before its first query's window. A kernel that reads
+    them (even with a zero weight) returns NaN."""
+    block_size = cache.shape[1]
+    used = torch.zeros(cache.shape[0] * block_size, dtype=torch.bool)
+    for row, (q_len, length) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
+        first = 0 if window is None else max(length - q_len - window + 1, 0)
+        positions = torch.arange(first, length)
+        table = md.block_tables[row].cpu()
+        used[table[positions // block_size].long() * block_size + positions % block_size] = True
+    poisoned = cache.clone()
+    poisoned.view(-1, *cache.shape[2:])[~used.to(cache.device)] = float("nan")
+    return poisoned
+
+
+def forget_blocks_before_windows(md, window, block_size):
+    """md with the block-table entries of blocks wholly before each sequence's first window set to -1 (an engine may
+    free them): a kernel that looks them up reads out of bounds or refuses the table."""
+    table = md.block_tables.clone()
+    for row, (q_len, length) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
+        table[row, :max(length - q_len - window + 1, 0) // block_size] = -1
+    return AttentionMetadata(**{**md.__dict__, "block_tables": table})

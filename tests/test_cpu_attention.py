@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention_cases import TOLERANCE, assert_close, make_case
+from attention_cases import (WINDOWS, TOLERANCE, assert_close, forget_blocks_before_windows, make_case,
+                             poison_unused_slots, window_decode_lens)
 from batchgen_kernels import AttentionMetadata, cpu_backend, cpu_build, get_backend, reference
 
 if not cpu_backend.available():
@@ -19,23 +20,12 @@ if not cpu_backend.available():
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def poison_unused_slots(cache, md):
-    """A copy of `cache` with NaN in every slot outside the sequences' contexts: past each sequence's end inside its
-    last block, and in blocks nobody owns. A kernel that reads them (even with a zero weight) returns NaN."""
-    block_size = cache.shape[1]
-    used = torch.zeros(cache.shape[0] * block_size, dtype=torch.bool)
-    for row, length in enumerate(md.seq_lens_cpu):
-        positions = torch.arange(length)
-        used[md.block_tables[row, positions // block_size].long() * block_size + positions % block_size] = True
-    poisoned = cache.clone()
-    poisoned.view(-1, *cache.shape[2:])[~used] = float("nan")
-    return poisoned
-
-
-def decode_both(q, k_cache, v_cache, md, scale):
-    """The kernel on caches poisoned outside the contexts, and the reference on the clean ones."""
-    got = cpu_backend.paged_attention(q, poison_unused_slots(k_cache, md), poison_unused_slots(v_cache, md), md, scale)
-    return got, reference.paged_attention(q, k_cache, v_cache, md, scale)
+def decode_both(q, k_cache, v_cache, md, scale, window=None):
+    """The kernel on caches poisoned outside the contexts (and before the windows), and the reference on the clean
+    ones."""
+    k_poisoned, v_poisoned = (poison_unused_slots(cache, md, window) for cache in (k_cache, v_cache))
+    got = cpu_backend.paged_attention(q, k_poisoned, v_poisoned, md, scale, window)
+    return got, reference.paged_attention(q, k_cache, v_cache, md, scale, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,6 +54,35 @@ def test_every_head_dim_path(dtype, head_dim):
     got, expected = decode_both(q, k_cache, v_cache, md, head_dim ** -0.5)
     assert got.dtype == dtype
     assert_close(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 72])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_decode_matches_reference(dtype, block_size, group, head_dim, window):
+    """Contexts shorter than, equal to and far longer than the window (a window off the blocks' and tiles' edges),
+    the vector path (64) and the plain one (72); every slot before a window is NaN, so one read of it shows."""
+    q, k_cache, v_cache, md = make_case([1] * 6, window_decode_lens(window), block_size=block_size, group=group,
+                                        head_dim=head_dim, dtype=dtype, seed=window + group)
+    got, expected = decode_both(q, k_cache, v_cache, md, head_dim ** -0.5, window)
+    assert torch.isfinite(got).all()
+    assert_close(got, expected)
+
+
+def test_sliding_window_decode_skips_the_blocks_before_it():
+    """The blocks wholly before the window are not even looked up (block-table entries of -1 pass the checks), and a
+    window no shorter than any context changes nothing, bit for bit."""
+    q, k_cache, v_cache, md = make_case([1] * 3, [30, 300, 5000], block_size=16, group=3, head_dim=64, seed=9)
+    forgotten = forget_blocks_before_windows(md, 40, 16)
+    assert (forgotten.block_tables == -1).sum() == 260 // 16 + 4960 // 16
+    got, _ = decode_both(q, k_cache, v_cache, forgotten, 0.125, 40)
+    assert_close(got, reference.paged_attention(q, k_cache, v_cache, md, 0.125, 40))
+    full = cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.125)
+    assert torch.equal(cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.125, 5000), full)
+    with pytest.raises(ValueError, match="at least 1"):
+        cpu_backend.paged_attention(q, k_cache, v_cache, md, 0.125, 0)
 
 
 def test_head_dim_128_with_one_kv_head_and_large_scores():
@@ -165,10 +184,10 @@ def test_fake_implementation_traces_without_running_the_kernel():
     q, k_cache, v_cache, md = make_case([1, 1], [20, 40], group=3, head_dim=64, dtype=torch.bfloat16)
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in (q, k_cache, v_cache, md.block_tables, md.seq_lens)]
-        out = torch.ops.batchgen.paged_decode(*fake, 0.125)
+        out = torch.ops.batchgen.paged_decode(*fake, 0.125, -1)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     torch.library.opcheck(torch.ops.batchgen.paged_decode.default,
-                          (q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125),
+                          (q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125, 16),
                           test_utils=("test_schema", "test_faketensor"))
 
 

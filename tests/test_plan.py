@@ -276,9 +276,24 @@ def test_model_without_chat_template_exits_2(tiny_llama_dir, default_model_dir, 
     result = plan_cli(job)
     assert result.exit_code == 2
     assert result.output.strip() == (f"batchgen: error: input.chat_template: model {model} has no chat template; "
-                                     f"set input.chat_template: false")
+                                     f"set input.chat_template: false (or give one: input.chat_template: <a Jinja "
+                                     f"template>)")
     assert plan_cli(job, "--set", "input.chat_template=false").exit_code == 0
 
+
+
+def test_a_chat_template_the_job_gives(tiny_llama_dir, default_model_dir, tmp_path):
+    """A model without one runs with the job's own Jinja template; the prompts are rendered through it."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, model / name)
+    job = write_job(tmp_path, model, write_input(tmp_path / "in.parquet", ["Hello there"]),
+                    input={"chat_template": "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}[answer]"})
+    result = plan_cli(job)
+    assert result.exit_code == 0, result.output
+    assert "the job's chat template" in result.output and "[user] Hello there[answer]" in result.output
+    assert plan_cli(job, "--set", "input.chat_template=").exit_code == 2
 
 # -- the default model: the estimate against a real run --------------------------------------------------------
 

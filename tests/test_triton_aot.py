@@ -108,12 +108,17 @@ def test_the_engine_s_limits_sit_where_compilation_fails(reports):
 
 def test_a_run_compiles_nothing_after_the_warm_up(reports):
     """A realistic sequence of eager and CUDA-graph steps (0, 1, 3, 16 decodes next to a prefill; 1 to 256
-    sequences; contexts of one block to 40,000 tokens, 1 to 32 splits) compiles no variant the engine's warm-up
-    did not, and the variants are the bounded set. Planted: with every argument specialised again (no
-    do_not_specialize), the same steps compile new variants, so the count has teeth."""
+    sequences; contexts of one block to 40,000 tokens, 1 to 32 splits) through a model with a sliding-window layer
+    and a full one compiles no variant the engine's warm-up did not, and the variants are the bounded set: both
+    kinds of layer share them. Planted: with every argument specialised again (no do_not_specialize), the window
+    (512, a multiple of 16, against -1) splits the warm-up's variants by layer, and the steps compile new ones, so
+    the count has teeth."""
     found = reports["sm_90"]["specialisations"]
     assert found["after_run"] == found["after_warm_up"] == VARIANT_BOUND, found
     assert found["launches"] > 100
     planted = reports["sm_90"]["specialisations_planted"]
-    assert planted["after_warm_up"] == VARIANT_BOUND
-    assert planted["after_run"]["_prefill_kernel"] > 1 and planted["after_run"]["_decode_split_kernel"] > 2, planted
+    warm, run = planted["after_warm_up"], planted["after_run"]
+    assert warm["_prefill_kernel"] == 2 * VARIANT_BOUND["_prefill_kernel"], planted
+    assert warm["_decode_split_kernel"] == 2 * VARIANT_BOUND["_decode_split_kernel"], planted
+    assert run["_prefill_kernel"] > warm["_prefill_kernel"], planted
+    assert run["_decode_split_kernel"] > warm["_decode_split_kernel"], planted

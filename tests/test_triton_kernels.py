@@ -1,12 +1,13 @@
 """The Triton kernels against the torch reference: on the GPU when there is one, else under Triton's interpreter.
-The cases (random everywhere, shuffled block tables) come from attention_cases.py."""
+The cases (random everywhere, shuffled block tables, sliding windows) come from attention_cases.py."""
 import pytest
 import torch
 
 pytest.importorskip("triton")  # without a GPU, conftest has set TRITON_INTERPRET=1
 
 import attention_cases  # noqa: E402
-from attention_cases import TOLERANCE, BlockTables, assert_close  # noqa: E402
+from attention_cases import (WINDOWS, TOLERANCE, BlockTables, assert_close,  # noqa: E402
+                             forget_blocks_before_windows, poison_unused_slots, window_decode_lens, window_prefill_lens)
 from batchgen_kernels import AttentionMetadata, reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,20 +108,25 @@ def test_decode_splits_follow_the_batch_and_each_sequence_s_real_length():
     assert choose_num_splits(4, 8, 131072, sms=132) == 9
     assert choose_num_splits(64, 8, 131072, sms=132) == 1
     assert choose_num_splits(1, 8, 300, sms=132) == 2
+    # A sliding window caps them as a short context does: only its keys are cut.
+    assert choose_num_splits(1, 8, 131072, sms=132, window=512) == 2
+    assert choose_num_splits(1, 8, 131072, sms=132, window=100) == 1
 
 
+@pytest.mark.parametrize("window", [None, 600])
 @pytest.mark.parametrize("num_splits", [3, 8])
-def test_the_kernel_cuts_each_context_as_split_size_says(tb, num_splits):
+def test_the_kernel_cuts_each_context_as_split_size_says(tb, num_splits, window):
     """split_size is what the kernel computes on the device: a split holds tokens (a finite running max) exactly when
-    split_size puts some of the sequence's context in it."""
-    from batchgen_kernels.triton_decode import decode_partials, split_size
+    split_size puts some of the sequence's visible context (its window's, under one) in it."""
+    from batchgen_kernels.triton_decode import decode_partials, split_size, visible_len
 
     seq_lens = [5, 300, 1100, 2000]
     q, k_cache, v_cache, md = make_case([1] * 4, seq_lens, block_size=16, group=2, head_dim=16)
     part_max, _, _ = decode_partials(q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.1, torch.empty_like(q),
-                                     num_splits)
+                                     num_splits, window)
     holds_tokens = torch.isfinite(part_max).all(dim=1)  # [sequence, split], every query head alike
     for row, seq_len in enumerate(seq_lens):
+        seq_len = visible_len(seq_len, window)
         expected = [split * split_size(seq_len, num_splits) < seq_len for split in range(num_splits)]
         assert holds_tokens[row].tolist() == expected, (seq_len, holds_tokens[row].tolist())
 
@@ -140,6 +146,29 @@ def test_decode_of_an_empty_padding_sequence_gives_zeros(tb, num_splits):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert_close(out[:1], reference.paged_decode(q[:1], k_cache, v_cache, md.block_tables[:1], seq_lens[:1], 70,
                                                  0.125))
+
+
+def poisoned_before_windows(k_cache, v_cache, md, window, block_size):
+    """The caches with NaN wherever no query may look (before the windows too), and md with the block-table entries
+    of the blocks wholly before the windows set to -1: a kernel that reads either shows it."""
+    return (poison_unused_slots(k_cache, md, window), poison_unused_slots(v_cache, md, window),
+            forget_blocks_before_windows(md, window, block_size))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", WINDOWS[1:])
+def test_sliding_window_decode_matches_reference(tb, num_splits, dtype, group, window):
+    """Contexts shorter than, equal to and 40 times the window, its cut into splits: only the window is read."""
+    q, k_cache, v_cache, md = make_case([1] * 6, window_decode_lens(window), block_size=16, group=group, head_dim=64,
+                                        dtype=dtype, seed=window)
+    k_bad, v_bad, md_bad = poisoned_before_windows(k_cache, v_cache, md, window, 16)
+    out = tb.paged_decode(q, k_bad, v_bad, md_bad.block_tables, md.seq_lens, md.max_seq_len, 0.125,
+                          num_splits=num_splits, window=window)
+    assert torch.isfinite(out).all()
+    assert_close(out, reference.paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.max_seq_len,
+                                             0.125, window))
 
 
 # ----------------------------------------------------------------------------------------------------- prefill
@@ -167,6 +196,22 @@ def test_prefill_tiles_smaller_than_the_query(tb, block_m, block_n):
     assert_close(out, reference.paged_attention(q, k_cache, v_cache, md, 0.125))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_prefill_matches_reference(tb, dtype, window):
+    """Several sequences around the window's edge in one launch (attention_cases.window_prefill_lens), 16-row query
+    tiles so that several start past the first row's window, NaN and -1 table entries before the windows."""
+    query_lens, seq_lens = window_prefill_lens(window)
+    q, k_cache, v_cache, md = make_case(query_lens, seq_lens, block_size=16, group=3, head_dim=64, dtype=dtype,
+                                        seed=window)
+    k_bad, v_bad, md_bad = poisoned_before_windows(k_cache, v_cache, md, window, 16)
+    out = tb.paged_prefill(q, k_bad, v_bad, md.query_start_loc, md.seq_lens, md_bad.block_tables, first_seq=0,
+                           num_seqs=len(seq_lens), max_query_len=md.max_query_len, scale=0.125, block_m=16,
+                           block_n=32, window=window)
+    assert torch.isfinite(out).all()
+    assert_close(out, reference.paged_attention(q, k_cache, v_cache, md, 0.125, window))
+
+
 # ------------------------------------------------------------------------------------------ the whole interface
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -186,6 +231,20 @@ def test_mixed_step_stores_then_attends_like_the_reference(tb, block_size, dtype
     out = tb.paged_attention(q, k_cache, v_cache, md, 80 ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_step_matches_the_reference_and_a_wide_one_changes_nothing(tb, dtype):
+    """A step mixing decodes with prefills under a window of 40 (the launch sizes of paged_attention); and a window
+    no shorter than any context gives the full-attention output bit for bit."""
+    query_lens, seq_lens = [1, 1, 1, 30, 50], [20, 41, 600, 30, 250]
+    q, k_cache, v_cache, md = make_case(query_lens, seq_lens, block_size=16, group=3, head_dim=64, dtype=dtype, seed=4)
+    k_bad, v_bad, md_bad = poisoned_before_windows(k_cache, v_cache, md, 40, 16)
+    out = tb.paged_attention(q, k_bad, v_bad, md_bad, 0.125, 40)
+    assert torch.isfinite(out).all()
+    assert_close(out, reference.paged_attention(q, k_cache, v_cache, md, 0.125, 40))
+    assert torch.equal(tb.paged_attention(q, k_cache, v_cache, md, 0.125, 600),
+                       tb.paged_attention(q, k_cache, v_cache, md, 0.125))
 
 
 def test_the_comparison_catches_a_wrong_block_or_context(tb):

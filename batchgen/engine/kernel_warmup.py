@@ -1,9 +1,10 @@
 """Compile, at startup, every Triton kernel variant a run will launch, so that no step of the run compiles one.
 
 Triton compiles a kernel per specialisation of its arguments. The kernels mark the arguments that change from step
-to step as not specialised on (the step's number of decodes, the block table's width, the split count), so a
-model needs five variants: store, prefill, decode with one split and with several, the splits' reduction. Two
-steps of inert rows reach all five, through the model itself (so with the layouts of real steps);
+to step as not specialised on (the step's number of decodes, the block table's width, the split count), and the
+sliding window too (fixed per layer, but a runtime int, -1 for none: a model's local and global layers share every
+variant), so a model needs five variants: store, prefill, decode with one split and with several, the splits'
+reduction. Two steps of inert rows reach all five, through the model itself (so with the layouts of real steps);
 tests/test_triton_aot.py checks that a realistic sequence of steps after this compiles nothing more.
 """
 from __future__ import annotations

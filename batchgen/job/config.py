@@ -53,7 +53,7 @@ class InputConfig:
     system_prompt: str | None = None
     system_column: str | None = None
     template: str | None = None
-    chat_template: bool = True
+    chat_template: bool | str = True  # true: the model's; a string: this Jinja template; false: none
     allow_special_tokens: bool = False  # true: special-token text in the data becomes special tokens
     sort: SortOrder = "prefix"
     sort_window: int = 10_000
@@ -276,6 +276,8 @@ def _check_input(cfg: InputConfig) -> None:
         raise JobConfigError("input.template: cannot be combined with input.messages_column")
     if cfg.system_prompt is not None and cfg.system_column:
         raise JobConfigError("input.system_column: set input.system_prompt or input.system_column, not both")
+    if isinstance(cfg.chat_template, str) and not cfg.chat_template.strip():
+        raise JobConfigError("input.chat_template: expected true, false or a chat template, got an empty string")
     if not cfg.chat_template:
         for name in ("messages_column", "system_prompt", "system_column"):
             if getattr(cfg, name) is not None:

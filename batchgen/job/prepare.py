@@ -76,16 +76,20 @@ def inspect_job(config: JobConfig) -> PreparedJob:
     location, device and memory (the engine settings were validated with the job)."""
     inputs = inspect_input(config)
     check_executor(config)
-    model = check_model(config.model)
+    model = check_model(config.model, config.input.chat_template is True)
     check_device(config.device)
     check_kv_cache_memory(config.engine)
     return PreparedJob(config, inputs, job_fingerprint(config, model, inputs), OutputDir(config.output.path))
 
 
 def check_chat_template(config: JobConfig, tokenizer) -> None:
-    if config.input.chat_template and getattr(tokenizer, "chat_template", None) is None:
-        raise JobConfigError(f"input.chat_template: model {config.model} has no chat template; "
-                             f"set input.chat_template: false")
+    if config.input.chat_template is True and getattr(tokenizer, "chat_template", None) is None:
+        raise no_chat_template(config.model)
+
+
+def no_chat_template(model: str) -> JobConfigError:
+    return JobConfigError(f"input.chat_template: model {model} has no chat template; set input.chat_template: false "
+                          f"(or give one: input.chat_template: <a Jinja template>)")
 
 
 def check_executor(config: JobConfig) -> None:
@@ -98,15 +102,20 @@ def check_executor(config: JobConfig) -> None:
                                  "in batchgen's checkout (scripts/setup.sh installs it)") from None
 
 
-def check_model(ref: str) -> str:
-    """Where the model is, checked cheaply (no loading, no conversion): what identifies it in the fingerprint."""
-    from batchgen.models.loader import ModelError, locate_model
+def check_model(ref: str, chat_template: bool) -> str:
+    """Where the model is, checked cheaply (no loading, no conversion), and that it has a chat template when the
+    job uses the model's own (`chat_template`): what identifies it in the fingerprint."""
+    from batchgen.models.loader import ModelError, has_chat_template, locate_model
+    from batchgen.models.named import NAMED_MODELS
 
     try:
         path = locate_model(ref)
+        templated = has_chat_template(path) if chat_template else False
     except ModelError as exc:
         raise JobConfigError(f"model: {exc}") from None
-    return "default" if ref == "default" else str(path.resolve())
+    if chat_template and not templated:
+        raise no_chat_template(ref)
+    return ref if ref in NAMED_MODELS else str(path.resolve())
 
 
 def check_device(device: str) -> None:

@@ -14,8 +14,10 @@ class Attention(nn.Module):
     not a buffer, so it never appears in state_dict and `model.to()` leaves it where the runner put it.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window  # a local layer: each query sees only its last `sliding_window` keys
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -40,4 +42,6 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("no KV cache bound: call model.bind_kv_cache(k_caches, v_caches) before forward")
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale)
+        if self.sliding_window is None:
+            return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale)
+        return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)

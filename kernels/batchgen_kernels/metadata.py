@@ -75,3 +75,13 @@ def _to(array: np.ndarray | torch.Tensor, device: torch.device | str) -> torch.T
     if isinstance(array, torch.Tensor):
         return array.to(device, non_blocking=True)
     return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+def kernel_window(window: int | None) -> int:
+    """A sliding window as the kernels take it, an int argument whatever the layer: its size, or -1 for none (full
+    causal attention). So one compiled kernel serves a model's local and global layers alike."""
+    if window is None:
+        return -1
+    if window < 1:
+        raise ValueError(f"a sliding window must be at least 1 key, got {window}")
+    return int(window)

@@ -1,6 +1,8 @@
 """Paged attention in plain torch ops: the CPU path and the oracle every other kernel is tested against.
 
 Cache layout (per layer): k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+`window` (a sliding-window layer, e.g. Gemma 3's local layers): the query at position p sees only the keys at
+positions p - window + 1 .. p; None sees the whole causal context.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+                 seq_lens: torch.Tensor, max_seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
     """One query token per sequence ([B, Hq, D]) against its whole paged context, all sequences at once: gather the
     batch's blocks (up to the longest context) and mask each sequence's tail."""
     batch, q_heads, dim = q.shape
@@ -36,16 +38,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     k = k_cache[table].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     v = v_cache[table].flatten(1, 2).transpose(1, 2)
     qg = q.view(batch, kv_heads, q_heads // kv_heads, dim)  # the query heads that share each KV head
-    visible = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
+    keys = torch.arange(k.shape[2], device=q.device)[None, :]
+    visible = keys < seq_lens[:, None]
+    if window is not None:
+        visible &= keys >= seq_lens[:, None] - window
     out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None, None, :],
                                          scale=scale)
     return out.reshape(batch, q_heads, dim)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_len: int, scale: float) -> torch.Tensor:
+                  seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
     """The last q.shape[0] tokens of one sequence ([Tq, Hq, D]) attend causally to its seq_len cached tokens."""
     q_len, q_heads, dim = q.shape
+    if window is not None and seq_len > window:
+        return _windowed_prefill(q, k_cache, v_cache, block_table, seq_len, scale, window)
     k = _gather(k_cache, block_table, seq_len).to(q.dtype)
     v = _gather(v_cache, block_table, seq_len).to(q.dtype)
     kv_heads = k.shape[1]
@@ -73,23 +80,43 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.permute(2, 0, 1, 3).reshape(q_len, q_heads, dim)
 
 
+def _windowed_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_len: int, scale: float, window: int) -> torch.Tensor:
+    """paged_prefill under a sliding window: only the keys some query can see are gathered (from the first
+    query's window start), and each query row is masked to its own window."""
+    q_len, q_heads, dim = q.shape
+    first = max(seq_len - q_len - window + 1, 0)  # the oldest key the first query sees
+    k = _gather(k_cache, block_table, seq_len)[first:].to(q.dtype)
+    v = _gather(v_cache, block_table, seq_len)[first:].to(q.dtype)
+    group = q_heads // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+    keys = torch.arange(first, seq_len, device=q.device)[None, :]
+    mask = (keys <= rows) & (keys > rows - window)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int | None = None) -> torch.Tensor:
     """Attention for a whole varlen step ([T, Hq, D]): the decodes batched together, prefills one by one."""
     out = torch.empty_like(q)
     for group in md.decode_groups:
         rows = torch.tensor(group, device=q.device)
         out[rows] = paged_decode(q[rows], k_cache, v_cache, md.block_tables[rows], md.seq_lens[rows],
-                                 md.seq_lens_cpu[group[-1]], scale)
-    paged_prefills(q, k_cache, v_cache, md, scale, out)
+                                 md.seq_lens_cpu[group[-1]], scale, window)
+    paged_prefills(q, k_cache, v_cache, md, scale, out, window)
     return out
 
 
 def paged_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                   scale: float, out: torch.Tensor) -> None:
+                   scale: float, out: torch.Tensor, window: int | None = None) -> None:
     """The prefill rows of a step (those after its md.num_decodes decodes) into `out`, one sequence at a time."""
     start = md.num_decodes
     for i in range(md.num_decodes, md.num_seqs):
         end = start + md.query_lens_cpu[i]
-        out[start:end] = paged_prefill(q[start:end], k_cache, v_cache, md.block_tables[i], md.seq_lens_cpu[i], scale)
+        out[start:end] = paged_prefill(q[start:end], k_cache, v_cache, md.block_tables[i], md.seq_lens_cpu[i], scale,
+                                       window)
         start = end

@@ -144,7 +144,8 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 @dataclass(frozen=True)
 class Case:
     """One model shape and the launches the engine makes for it: store, decode (per split count), prefill (per
-    tile). `planted`: a deliberately broken case, and why; the checker must report it."""
+    tile), the attention launches for a full layer and for a sliding-window one. `planted`: a deliberately broken
+    case, and why; the checker must report it."""
 
     dtype: str
     head_dim: int
@@ -242,14 +243,15 @@ def case_calls(case: Case, tb) -> list[Callable[[], object]]:
     seq_lens = torch.empty(seqs, dtype=torch.int32, device=meta)
     starts = torch.empty(seqs + 1, dtype=torch.int32, device=meta)
     calls: list[Callable[[], object]] = [lambda: tb.store_kv(k, v, k_cache, v_cache, slots)]
-    for n in case.decode_splits:
-        calls.append(lambda n=n: tb.paged_decode(q[:2], k_cache, v_cache, tables[:2], seq_lens[:2], 4096, 0.1,
-                                                  num_splits=n))
-    for tile in case.prefill_tiles:
-        m, n = tile or (None, None)
-        calls.append(lambda m=m, n=n: tb.paged_prefill(q, k_cache, v_cache, starts, seq_lens, tables, first_seq=2,
-                                                        num_seqs=2, max_query_len=5, scale=0.1, block_m=m,
-                                                        block_n=n))
+    for window in (None, 512):  # not specialised on: the windowed launches compile no variant of their own
+        for n in case.decode_splits:
+            calls.append(lambda n=n, w=window: tb.paged_decode(q[:2], k_cache, v_cache, tables[:2], seq_lens[:2], 4096,
+                                                               0.1, num_splits=n, window=w))
+        for tile in case.prefill_tiles:
+            m, n = tile or (None, None)
+            calls.append(lambda m=m, n=n, w=window: tb.paged_prefill(
+                q, k_cache, v_cache, starts, seq_lens, tables, first_seq=2, num_seqs=2, max_query_len=5, scale=0.1,
+                block_m=m, block_n=n, window=w))
     return calls
 
 

@@ -8,6 +8,9 @@ The number of splits (the grid) comes from the batch's size and the device's SMs
 the call may see (`choose_num_splits`); how a sequence's context is cut into them comes from its real length, on
 the device (`split_size`). So a CUDA graph captured for contexts up to max_model_len still spreads a short
 context over every split it can use, instead of putting it all in the first split of a max_model_len-wide cut.
+
+Under a sliding window (`window` > 0, a runtime argument: -1 for none) a sequence's visible context is its last
+min(seq_len, window) tokens, and only that range is cut into splits and read.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .metadata import kernel_window
 from .triton_common import LOG2E, dot, dot_needs_fp32, load_paged, online_softmax_update, paged_slots
 
 BLOCK_N = 64  # context tokens per inner-loop tile
@@ -26,10 +30,11 @@ MAX_SPLITS = 32
 
 # Arguments that change from step to step are not specialised on (value 1, divisibility by 16): each new value
 # would compile a new variant in the middle of a run. See triton_aot.py, which counts the variants a run needs.
-@triton.jit(do_not_specialize=["stride_bt"])
+# `window` is fixed per layer, but not specialised either: one variant serves a model's windowed and full layers.
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                          out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-                         scale_log2,
+                         scale_log2, window,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -43,9 +48,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # split_size() of this sequence's real length
-    split_size = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits), MIN_SPLIT_TILES) * BLOCK_N
-    start = split * split_size
+    visible = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)  # visible_len()
+    # split_size() of this sequence's visible length, the splits laid from its first visible key
+    split_size = tl.maximum(tl.cdiv(tl.cdiv(visible, BLOCK_N), num_splits), MIN_SPLIT_TILES) * BLOCK_N
+    start = seq_len - visible + split * split_size
     end = tl.minimum(start + split_size, seq_len)  # start >= end: an empty split (short sequence), no tiles
 
     rows = tl.arange(0, GROUP_PAD)
@@ -118,27 +124,33 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device) if device.type == "cuda" else 8
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
-    """Enough splits to give every SM about two programs, but no more than a max_seq_len-token context can fill
-    with MIN_TOKENS_PER_SPLIT tokens each, and at most MAX_SPLITS."""
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int, window: int | None = None) -> int:
+    """Enough splits to give every SM about two programs, but no more than a max_seq_len-token context (or a
+    window of fewer tokens) can fill with MIN_TOKENS_PER_SPLIT tokens each, and at most MAX_SPLITS."""
     wanted = triton.cdiv(2 * sms, num_seqs * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+    return max(1, min(wanted, triton.cdiv(visible_len(max_seq_len, window), MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+
+
+def visible_len(seq_len: int, window: int | None) -> int:
+    """The keys a sequence's next token sees: its last `window` (all of them without a window)."""
+    return seq_len if window is None or window <= 0 else min(seq_len, window)
 
 
 def split_size(seq_len: int, num_splits: int) -> int:
-    """Context tokens per split for one sequence of seq_len tokens (the kernel computes the same, on the device, from
-    the real length): an even cut into num_splits, rounded up to whole BLOCK_N tiles and to at least
-    MIN_TOKENS_PER_SPLIT; the splits past the sequence's end do nothing."""
+    """Context tokens per split for one sequence whose visible context (visible_len) is seq_len tokens (the kernel
+    computes the same, on the device, from the real length): an even cut into num_splits, rounded up to whole
+    BLOCK_N tiles and to at least MIN_TOKENS_PER_SPLIT; the splits past the sequence's end do nothing."""
     tiles = triton.cdiv(triton.cdiv(seq_len, BLOCK_N), num_splits)
     return max(tiles, MIN_TOKENS_PER_SPLIT // BLOCK_N) * BLOCK_N
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
-                 num_splits: int | None = None) -> torch.Tensor:
-    """One query token per sequence ([B, Hq, D]) against its paged context of seq_lens[b] tokens → [B, Hq, D].
+                 num_splits: int | None = None, window: int | None = None) -> torch.Tensor:
+    """One query token per sequence ([B, Hq, D]) against its paged context of seq_lens[b] tokens (its last `window`
+    of them under a sliding window) → [B, Hq, D].
 
-    The grid comes from B and max_seq_len alone (no device reads), so a CUDA graph captured with a large
+    The grid comes from B, max_seq_len and the window alone (no device reads), so a CUDA graph captured with a large
     max_seq_len serves any shorter contexts; each sequence's cut into splits follows its real length.
     """
     batch, q_heads, head_dim = q.shape
@@ -147,10 +159,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if batch == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(batch, k_cache.shape[2], max_seq_len, num_sms(q.device))
+        num_splits = choose_num_splits(batch, k_cache.shape[2], max_seq_len, num_sms(q.device), window)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    partials = decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits)
+    partials = decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, window)
     if partials is not None:
         part_max, part_sum, part_acc = partials
         head_dim_pad = triton.next_power_of_2(head_dim)
@@ -162,8 +174,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                    seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
+                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The split kernel's launch. With one split it writes the output itself and returns None; with several it
     returns each (sequence, query head, split)'s running max, sum ([B, Hq, splits]) and output ([B, Hq, splits, D])
     for the reduction (an empty split has max -inf)."""
@@ -179,7 +191,7 @@ def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_max = part_sum = part_acc = out  # unused
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
-        scale * LOG2E,
+        scale * LOG2E, kernel_window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

@@ -3,7 +3,9 @@
 A program owns BLOCK_M query rows of one sequence and one query head. Sequence i's query rows
 query_start_loc[i]:query_start_loc[i+1] are the last q_len positions of its seq_lens[i]-token context, so row j
 sits at absolute position (seq_len - q_len) + j and sees keys 0..that position: the cached prefix in full, the
-new tokens causally. Keys are read tile by tile through the block table, with an online softmax.
+new tokens causally. Keys are read tile by tile through the block table, with an online softmax. Under a sliding
+window (`window` > 0, a runtime argument: -1 for none) row j sees only its last `window` keys: a program's key loop
+starts at its first row's window start, and each row is masked to its own window.
 """
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .metadata import kernel_window
 from .triton_common import LOG2E, dot, dot_needs_fp32, load_paged, online_softmax_update, paged_slots
 
 
 # first_seq (the step's number of decodes) and the block table's width change from step to step: not specialised on,
-# so that a new value compiles no new variant mid-run (triton_aot.py counts the variants a run needs).
-@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
+# so that a new value compiles no new variant mid-run (triton_aot.py counts the variants a run needs); nor is the
+# window, so that one variant serves windowed and full layers.
+@triton.jit(do_not_specialize=["first_seq", "stride_bt", "window"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-                    first_seq, scale_log2,
+                    first_seq, scale_log2, window,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -44,26 +48,29 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
                 mask=q_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
     q_pos = prefix_len + rows
+    window_start = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)  # each row's first visible key
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # Not -inf: a row may see no key of a tile (one before its window), where exp2(m - m_new) must be 1, not NaN.
+    # From the first tile a row sees, exp2(-1e30 - m_new) is 0, as exp2(-inf) was.
+    m = tl.full([BLOCK_M], -1e30, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
     key_end = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_M)  # nothing past this tile's last row
-    for tile in range(0, key_end, BLOCK_N):
+    key_start = tl.where(window > 0, tl.maximum(prefix_len + q_tile * BLOCK_M - window + 1, 0), 0)  # nor before
+    for tile in range(key_start, key_end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         pos_ok = pos < key_end
         block, in_block = paged_slots(table, pos, pos_ok, BLOCK_SIZE)
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = load_paged(k_cache_ptr, block, in_block, kv_head, stride_kb, stride_ks, stride_kh, dims, kv_mask)
         scores = dot(q, tl.trans(k), WIDEN_DOT) * scale_log2
-        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= window_start[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        # Every row sees key 0 in the first tile, so m is finite from then on and exp2(-inf - m) is 0.
         v = load_paged(v_cache_ptr, block, in_block, kv_head, stride_vb, stride_vs, stride_vh, dims, kv_mask)
         m, l, acc = online_softmax_update(scores, m, l, acc, v, WIDEN_DOT)
 
-    out = acc / l[:, None]
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0: a row past q_len (not stored) whose window is past the keys
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -71,8 +78,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, first_seq: int, num_seqs: int,
                   max_query_len: int, scale: float, out: torch.Tensor | None = None,
-                  block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """Attention for the query rows of sequences first_seq .. first_seq + num_seqs - 1 of a varlen batch.
+                  block_m: int | None = None, block_n: int | None = None, window: int | None = None) -> torch.Tensor:
+    """Attention for the query rows of sequences first_seq .. first_seq + num_seqs - 1 of a varlen batch, each row
+    seeing its last `window` keys under a sliding window.
 
     q: [T, Hq, D] holds the whole batch; only those sequences' rows of `out` are written. The tiles default to
     prefill_launch's; tests pass others.
@@ -88,6 +96,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, q_heads)](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq, scale * LOG2E,
+        kernel_window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

@@ -167,7 +167,8 @@ class PromptBuilder:
         self.sampling = config.sampling
         self.keep_columns = config.output.keep_columns
         self.row_sampling_keys = [k for k in ROW_SAMPLING_KEYS if k in inputs.column_types]
-        self.encoder = PromptEncoder(tokenizer, config.input.allow_special_tokens)
+        own = config.input.chat_template if isinstance(config.input.chat_template, str) else None
+        self.encoder = PromptEncoder(tokenizer, config.input.allow_special_tokens, own)
         self.max_model_len = max_model_len
         self.context_limit = context_limit or f"the model's context window is {max_model_len} tokens"
         # Rows without overrides share one params object (validated with the job); nothing mutates it.

@@ -41,8 +41,9 @@ class PromptText:
 class PromptEncoder:
     """Renders and tokenizes prompts so that special-token text from the data stays text."""
 
-    def __init__(self, tokenizer: Any, allow_special_tokens: bool):
+    def __init__(self, tokenizer: Any, allow_special_tokens: bool, chat_template: str | None = None):
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # the job's own; None: the tokenizer's
         added = getattr(tokenizer, "added_tokens_decoder", {})  # none: no special tokens to guard
         special = {t.content: i for i, t in added.items() if t.special}
         self.special_ids = frozenset(special.values())
@@ -74,7 +75,8 @@ class PromptEncoder:
         return [_restore(prompt, list(ids)) for prompt, ids in zip(prompts, batch)]
 
     def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
 
     def _mark(self, text: str, found: list[str]) -> str:
         def placeholder(match: re.Match) -> str:

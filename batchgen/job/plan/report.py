@@ -1,6 +1,8 @@
 """`batchgen plan`'s screen: one section per line group, figures with the arithmetic behind them."""
 from __future__ import annotations
 
+from batchgen.models.named import NAMED_MODELS
+
 from .estimate import MEMORY_WARN_SHARE, Plan, percentile, seqs_at_once
 from ..input.files import read_columns
 
@@ -20,7 +22,7 @@ def format_plan(plan: Plan, job_path: str) -> str:
 
 def _job(plan: Plan) -> list[str]:
     c, e = plan.config, plan.config.engine
-    where = "" if plan.model_ref == "default" else f" ({plan.model_dir})"
+    where = "" if plan.model_ref in NAMED_MODELS else f" ({plan.model_dir})"
     return [f"valid: model {c.model}{where}, {plan.dtype.name} on {plan.device.type} ({plan.dtype.reason}); sort {c.input.sort} "
             f"(window {c.input.sort_window:,}), max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
             f"{e.max_num_batched_tokens:,}, block_size {e.block_size}, prefix cache "
@@ -37,7 +39,8 @@ def _input(plan: Plan) -> list[str]:
 
 def _prompts(plan: Plan) -> list[str]:
     cfg = plan.config.input
-    how = "chat template" if cfg.chat_template else "raw text (no chat template)"
+    how = ("the job's chat template" if isinstance(cfg.chat_template, str) else "chat template") \
+        if cfg.chat_template else "raw text (no chat template)"
     source = "template" if cfg.template else f"column {cfg.messages_column or cfg.prompt_column!r}"
     system = " + system prompt" if cfg.system_prompt else f" + system column {cfg.system_column!r}" \
         if cfg.system_column else ""

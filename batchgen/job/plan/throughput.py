@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from batchgen.models.named import NAMED_MODELS
+
 
 @dataclass(frozen=True)
 class TimeEstimate:
@@ -21,7 +23,7 @@ class TimeEstimate:
 
 def estimate_time(archive: Path, model: str, device: dict[str, Any], prompt_tokens: float,
                   output_tokens: float, dtype: str = "float32") -> TimeEstimate:
-    """`model`: "default" or a resolved path; `device`: {"type": "cpu", "cpu": name, "cores": n, "cpu_flags":
+    """`model`: a named model ("default") or a resolved path; `device`: {"type": "cpu", "cpu": name, "cores": n, "cpu_flags":
     machine_info's} or
     {"type": "cuda", ...}; `prompt_tokens`: those to compute, after the prefix cache; `dtype`: the run's, resolved
     ("float32"): only records of batchgen in that dtype count."""
@@ -64,7 +66,7 @@ def _matches(record: dict, model: str, device: dict[str, Any], dtype: str) -> bo
     if (recorded_dtype if recorded_dtype != "auto" else "float32") != dtype:  # before --dtype: auto was fp32
         return False
     recorded = record["workload"].get("model")
-    if recorded != model and (recorded == "default" or str(Path(str(recorded)).resolve()) != model):
+    if recorded != model and (recorded in NAMED_MODELS or str(Path(str(recorded)).resolve()) != model):
         return False
     machine = record.get("machine", {})
     engine_device = record.get("config", {}).get("engine_args", {}).get("device", "auto")

@@ -7,8 +7,9 @@
 // summed into a vector of partial sums, and the tile's 16 such vectors are reduced together by a transposing tree
 // (vec16.h) rather than by one horizontal sum per key. With a bf16 cache and query on a CPU with AVX512_BF16, the
 // products are bf16 dot products (vdpbf16ps: exact products, fp32 sums); V rows are widened to fp32 by a shift.
-// Only positions < seq_len are read: slots past a sequence's end may hold anything (NaN included). Head dims other
-// than 16-128 in steps of 16 and 256, and fp16 caches, take a plain per-key loop instead.
+// Only positions < seq_len are read: slots past a sequence's end may hold anything (NaN included). With a sliding
+// window (window > 0) the walk starts at the window's first key, seq_len - window: nothing before it is read.
+// Head dims other than 16-128 in steps of 16 and 256, and fp16 caches, take a plain per-key loop instead.
 // Registered as torch.ops.batchgen.paged_decode (its fake implementation is in Python).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -70,7 +71,11 @@ struct Decode {
   const int32_t *tables, *lens;
   int64_t table_stride;
   float scale;
+  int64_t window;  // keys each query sees (itself included); <= 0: the whole context
   void* out;
+
+  // The first key sequence `seq` sees: tiles start there, so the keys before it are never read.
+  int64_t first_key(int64_t seq) const { return window > 0 ? std::max<int64_t>(lens[seq] - window, 0) : 0; }
 
   int64_t row(int64_t seq, int64_t head, int64_t pos) const {  // element offset of (pos, head) in either cache
     const int64_t block = tables[seq * table_stride + pos / block_size];
@@ -175,8 +180,9 @@ void attend(const Decode& d, int64_t seq, int64_t head, Scratch& s) {
   const Vec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Vec16 minus_inf = Vec16{} - std::numeric_limits<float>::infinity();
 
-  int64_t first = len ? d.row(seq, head, 0) : 0;
-  for (int64_t start = 0, n = 0; start < len; start += n) {
+  const int64_t begin = d.first_key(seq);
+  int64_t first = len ? d.row(seq, head, begin) : 0;
+  for (int64_t start = begin, n = 0; start < len; start += n) {
     n = d.tile_len(start, len);
     const int64_t next = start + n, next_n = next < len ? d.tile_len(next, len) : 0;
     const int64_t next_first = next_n ? d.row(seq, head, next) : 0;
@@ -265,7 +271,7 @@ void attend_plain(const Decode& d, int64_t seq, int64_t head, Scratch& s) {
     float run_max = -std::numeric_limits<float>::infinity(), run_sum = 0.0f;
     float* acc = s.acc.data() + g * dim;
     const float* q = s.q.data() + g * dim;
-    for (int64_t pos = 0; pos < len; ++pos) {
+    for (int64_t pos = d.first_key(seq); pos < len; ++pos) {
       const int64_t row = d.row(seq, head, pos);
       for (int64_t i = 0; i < dim; ++i) k[i] = as_float(k_base[row + i]);
       float score = 0.0f;
@@ -313,7 +319,7 @@ AttendFn choose(at::ScalarType kv_type, at::ScalarType q_type, int64_t dim) {
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q must be [B, Hq, D] and the caches [N, bs, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_decode: k_cache and v_cache differ");
@@ -340,25 +346,25 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), width = tables.size(1);
   const int32_t* table = tables.data_ptr<int32_t>();
   const int32_t* len = lens.data_ptr<int32_t>();
+  const Decode d{static_cast<const char*>(q_rows.data_ptr()), q_rows.stride(0), q_rows.stride(1), q_type,
+                 k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, dim, q.size(1) / kv_heads,
+                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table, len, tables.stride(0),
+                 static_cast<float>(scale), window, out.data_ptr()};
   // Everything the items will read is checked here, before the parallel region (an exception cannot leave one).
   for (int64_t seq = 0; seq < batch; ++seq) {
     TORCH_CHECK(len[seq] >= 0 && len[seq] <= width * block_size, "paged_decode: seq_lens[", seq, "] = ", len[seq],
                 " does not fit the block table's ", width, " blocks of ", block_size);
-    for (int64_t b = 0; b < (len[seq] + block_size - 1) / block_size; ++b) {
+    for (int64_t b = d.first_key(seq) / block_size; b < (len[seq] + block_size - 1) / block_size; ++b) {
       const int64_t block = table[seq * tables.stride(0) + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode: block id ", block, " out of range");
     }
   }
-  // One item per (sequence, kv head), longest first: the dynamic schedule then ends on short items, not a long one.
+  // One item per (sequence, kv head), the most keys first: the dynamic schedule then ends on short items.
   std::vector<int64_t> items(batch * kv_heads);
   for (int64_t i = 0; i < batch * kv_heads; ++i) items[i] = i;
-  std::stable_sort(items.begin(), items.end(),
-                   [&](int64_t a, int64_t b) { return len[a / kv_heads] > len[b / kv_heads]; });
+  const auto keys = [&](int64_t item) { return len[item / kv_heads] - d.first_key(item / kv_heads); };
+  std::stable_sort(items.begin(), items.end(), [&](int64_t a, int64_t b) { return keys(a) > keys(b); });
 
-  const Decode d{static_cast<const char*>(q_rows.data_ptr()), q_rows.stride(0), q_rows.stride(1), q_type,
-                 k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, dim, q.size(1) / kv_heads,
-                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table, len, tables.stride(0),
-                 static_cast<float>(scale), out.data_ptr()};
   const AttendFn fn = choose(kv_type, q_type, dim);
   const int64_t count = static_cast<int64_t>(items.size());
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(count, 1)));
@@ -385,8 +391,8 @@ bool wide_vectors() {
 
 // A fragment, not TORCH_LIBRARY: other batchgen ops may define themselves in the same namespace.
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
-  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale)"
-        " -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+        "int window) -> Tensor");
   m.def("wide_vectors() -> bool", &wide_vectors);
 }
 

@@ -10,7 +10,9 @@
 // probabilities x V accumulated in registers. With a bf16 query and cache on a CPU with AVX512_BF16 both products
 // are bf16 dot products (vdpbf16ps) instead: K and V are packed as raw bf16 pairs (pack_pairs) and the
 // probabilities rounded to bf16 before P x V, as flash attention does; sums stay fp32. Only keys at positions <
-// seq_len are read. Items are handed out longest first (dynamic schedule): their costs differ by the length of
+// seq_len are read. With a sliding window (window > 0) a row sees its last `window` positions: an item packs keys
+// from its first row's window start, a query tile starts at the key tile holding its first row's, and each row is
+// masked below too. Items are handed out longest first (dynamic schedule): their costs differ by the length of
 // their key range.
 // Registered as torch.ops.batchgen.paged_prefill_ (writes into `out`; its fake implementation is in Python).
 #include <ATen/Parallel.h>
@@ -57,6 +59,11 @@ inline float as_float<c10::BFloat16>(c10::BFloat16 x) {  // the top half of an f
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// The first position the query at `pos` sees: the start of its window (window > 0), else 0.
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0;
 }
 
 struct Item {
@@ -190,6 +197,7 @@ struct Prefill {
   const int32_t *tables, *lens, *starts;
   int64_t table_stride;
   float scale;
+  int64_t window;  // keys each query sees (itself included); <= 0: the whole context
   QT* out;  // [T, Hq, D] contiguous
 
   // Scores by bf16 dot products: a bf16 query and cache, an even head_dim, a CPU with AVX512_BF16.
@@ -205,18 +213,19 @@ struct Prefill {
     return base + ((block * block_size + pos % block_size) * kv_heads + head) * dim;
   }
 
-  // Keys [0, key_end) of one head as fp32, in tiles of kKeys: K transposed (tile t at kt + t * dim * kKeys, [dim][kKeys])
-  // and V as rows (v + key * padded_dim), zeros past key_end and past dim. Packed once per item and read by all of
-  // its query tiles, from the thread's cache rather than from wherever the blocks lie.
+  // Keys [base, key_end) of one head as fp32 (packed key i is position base + i), in tiles of kKeys: K transposed
+  // (tile t at kt + t * dim * kKeys, [dim][kKeys]) and V as rows (v + i * padded_dim), zeros past key_end and past
+  // dim. Packed once per item and read by all of its query tiles, from the thread's cache rather than from wherever
+  // the blocks lie.
   void prefetch(const KV* row) const {
     const char* bytes = reinterpret_cast<const char*>(row);
     for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(KV)); offset += 64)
       __builtin_prefetch(bytes + offset, 0, 3);
   }
 
-  void pack(int64_t seq, int64_t head, int64_t key_end, Scratch& w) const {
-    const int64_t tiles = (key_end + kKeys - 1) / kKeys, keys = tiles * kKeys;
-    if (dot()) return pack_pairs(seq, head, key_end, keys, w);
+  void pack(int64_t seq, int64_t head, int64_t base, int64_t key_end, Scratch& w) const {
+    const int64_t tiles = (key_end - base + kKeys - 1) / kKeys, keys = tiles * kKeys;
+    if (dot()) return pack_pairs(seq, head, base, key_end, keys, w);
     if (static_cast<int64_t>(w.v.size()) < keys * padded_dim) {
       w.kt.resize(keys * dim);
       w.v.resize(keys * padded_dim);
@@ -224,13 +233,14 @@ struct Prefill {
     for (int64_t key = 0; key < keys; ++key) {
       float* kt = w.kt.data() + (key / kKeys) * kKeys * dim + key % kKeys;  // column key % kKeys of its tile
       float* v_dst = w.v.data() + key * padded_dim;
-      if (key + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
-        prefetch(cache_row(k_base, seq, head, key + kPrefetch));
-        prefetch(cache_row(v_base, seq, head, key + kPrefetch));
+      const int64_t pos = base + key;
+      if (pos + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
+        prefetch(cache_row(k_base, seq, head, pos + kPrefetch));
+        prefetch(cache_row(v_base, seq, head, pos + kPrefetch));
       }
-      if (key < key_end) {
-        const KV* k_row = cache_row(k_base, seq, head, key);
-        const KV* v_row = cache_row(v_base, seq, head, key);
+      if (pos < key_end) {
+        const KV* k_row = cache_row(k_base, seq, head, pos);
+        const KV* v_row = cache_row(v_base, seq, head, pos);
         for (int64_t d = 0; d < dim; ++d) kt[d * kKeys] = as_float(k_row[d]);
         for (int64_t d = 0; d < dim; ++d) v_dst[d] = as_float(v_row[d]);
         for (int64_t d = dim; d < padded_dim; ++d) v_dst[d] = 0.0f;
@@ -243,7 +253,7 @@ struct Prefill {
 
   // pack() for the bf16 dot products, moving the raw bf16 bits: K as [tile][dim / 2][kKeys] words (a pair of dims
   // of one key), V as [key / 2][padded_dim] words (one dim of a pair of keys).
-  void pack_pairs(int64_t seq, int64_t head, int64_t key_end, int64_t keys, Scratch& w) const {
+  void pack_pairs(int64_t seq, int64_t head, int64_t base, int64_t key_end, int64_t keys, Scratch& w) const {
     const int64_t pairs = dim / 2;
     if (static_cast<int64_t>(w.v_pairs.size()) < keys / 2 * padded_dim) {
       w.kt_pairs.resize(keys * pairs);
@@ -253,13 +263,14 @@ struct Prefill {
     for (int64_t key = 0; key < keys; ++key) {
       uint32_t* kt = w.kt_pairs.data() + (key / kKeys) * kKeys * pairs + key % kKeys;
       uint16_t* v_dst = v_halves + (key / 2) * padded_dim * 2 + key % 2;  // then every other half-word
-      if (key + kPrefetch < key_end) {
-        prefetch(cache_row(k_base, seq, head, key + kPrefetch));
-        prefetch(cache_row(v_base, seq, head, key + kPrefetch));
+      const int64_t pos = base + key;
+      if (pos + kPrefetch < key_end) {
+        prefetch(cache_row(k_base, seq, head, pos + kPrefetch));
+        prefetch(cache_row(v_base, seq, head, pos + kPrefetch));
       }
-      if (key < key_end) {
-        const char* k_bytes = reinterpret_cast<const char*>(cache_row(k_base, seq, head, key));
-        const uint16_t* v_row = reinterpret_cast<const uint16_t*>(cache_row(v_base, seq, head, key));
+      if (pos < key_end) {
+        const char* k_bytes = reinterpret_cast<const char*>(cache_row(k_base, seq, head, pos));
+        const uint16_t* v_row = reinterpret_cast<const uint16_t*>(cache_row(v_base, seq, head, pos));
         for (int64_t i = 0; i < pairs; ++i) std::memcpy(kt + i * kKeys, k_bytes + 4 * i, 4);
         for (int64_t d = 0; d < dim; ++d) v_dst[2 * d] = v_row[d];
         for (int64_t d = dim; d < padded_dim; ++d) v_dst[2 * d] = 0;
@@ -272,14 +283,15 @@ struct Prefill {
 
   void run(const Item& item, Scratch& w) const {
     const int64_t seq = item.seq, head = item.head;
-    const int64_t q_len = starts[seq + 1] - starts[seq], len = lens[seq];
-    pack(seq, head, len - q_len + item.row_end, w);
-    for (int64_t row = item.row_begin; row < item.row_end; row += kRows) attend(seq, head, row, w);
+    const int64_t q_len = starts[seq + 1] - starts[seq], prefix = lens[seq] - q_len;
+    const int64_t base = window_start(prefix + item.row_begin, window);
+    pack(seq, head, base, prefix + item.row_end, w);
+    for (int64_t row = item.row_begin; row < item.row_end; row += kRows) attend(seq, head, row, base, w);
   }
 
   // The query tile of up to kRows positions starting at `first_row` (within the sequence's new tokens), all `group`
-  // heads of kv head `head`, against the packed keys.
-  void attend(int64_t seq, int64_t head, int64_t first_row, Scratch& w) const {
+  // heads of kv head `head`, against the keys packed from position `base` on.
+  void attend(int64_t seq, int64_t head, int64_t first_row, int64_t base, Scratch& w) const {
     const int64_t q_len = starts[seq + 1] - starts[seq], len = lens[seq];
     const int64_t positions = std::min(kRows, q_len - first_row);
     const int64_t first_pos = len - q_len + first_row;  // absolute position of the tile's first query
@@ -295,11 +307,16 @@ struct Prefill {
         for (int64_t d = 0; d < dim; ++d) dst[d] = as_float(src[d]) * scale;
       }
     std::fill(w.acc.begin(), w.acc.begin() + rows * padded_dim, 0.0f);
-    std::fill(w.run_max.begin(), w.run_max.begin() + rows, -std::numeric_limits<float>::infinity());
+    // Not -inf: a row may see no key of a tile (one before its window), and then its correction exp(max - max) must
+    // be 1, not NaN. The first tile a row sees still scales its zeros by exp16's floor, as from -inf.
+    std::fill(w.run_max.begin(), w.run_max.begin() + rows, std::numeric_limits<float>::lowest());
     std::fill(w.run_sum.begin(), w.run_sum.begin() + rows * 16, 0.0f);
 
-    const int64_t key_end = first_pos + positions;  // keys [0, key_end) are visible to some row of the tile
-    for (int64_t start = 0; start < key_end; start += kKeys) {
+    // Packed keys [first, key_end) are visible to some row of the tile: `first` is the packed tile that holds the
+    // first row's window start; below it nothing is read.
+    const int64_t key_end = first_pos + positions - base;
+    const int64_t first = (window_start(first_pos, window) - base) / kKeys * kKeys;
+    for (int64_t start = first; start < key_end; start += kKeys) {
       const int64_t n = std::min(kKeys, key_end - start);
       const float* kt = dot() ? nullptr : w.kt.data() + start * dim;  // the tile's [dim][kKeys] block
       int64_t m = 0;
@@ -322,12 +339,20 @@ struct Prefill {
       const Vec16 minus_inf = Vec16{} - std::numeric_limits<float>::infinity();
       // Online softmax over the tile: each row's new maximum first, then all rows' correction factors 16 at a time
       // (one vector exp rather than a scalar one per row), then the probabilities.
+      // Row m sees the tile's keys [hidden, visible): its window's start, its own position.
+      const auto bounds = [&](int64_t m, float& hidden, float& visible) {
+        const int64_t pos = first_pos + m / group - base - start;
+        visible = static_cast<float>(std::clamp<int64_t>(pos + 1, 0, n));
+        hidden = window > 0 ? static_cast<float>(std::clamp<int64_t>(pos - window + 1, 0, n)) : 0.0f;
+      };
       for (m = 0; m < rows; ++m) {
         float* s = w.s.data() + m * kKeys;
-        const float visible = static_cast<float>(std::clamp<int64_t>(first_pos + m / group - start + 1, 0, n));
+        float hidden, visible;
+        bounds(m, hidden, visible);
         Vec16 high = minus_inf;
         for (int c = 0; c < kVecs; ++c) {
-          const Vec16 x = lane + 16.0f * c < visible ? load16(s + 16 * c) * score_scale : minus_inf;  // causal bound
+          const Vec16 key = lane + 16.0f * c;
+          const Vec16 x = (key < visible) & (key >= hidden) ? load16(s + 16 * c) * score_scale : minus_inf;
           store16(s + 16 * c, x);
           high = high > x ? high : x;
         }
@@ -337,11 +362,13 @@ struct Prefill {
         store16(w.correction.data() + m, exp16(load16(w.run_max.data() + m) - load16(w.tile_max.data() + m)));
       for (m = 0; m < rows; ++m) {
         float* s = w.s.data() + m * kKeys;
-        const float visible = static_cast<float>(std::clamp<int64_t>(first_pos + m / group - start + 1, 0, n));
+        float hidden, visible;
+        bounds(m, hidden, visible);
         const float tile_max = w.tile_max[m], correction = w.correction[m];
         Vec16 total = {};
         for (int c = 0; c < kVecs; ++c) {
-          const Vec16 p = lane + 16.0f * c < visible ? exp16(load16(s + 16 * c) - tile_max) : Vec16{};
+          const Vec16 key = lane + 16.0f * c;
+          const Vec16 p = (key < visible) & (key >= hidden) ? exp16(load16(s + 16 * c) - tile_max) : Vec16{};
           store16(s + 16 * c, p);
           total += p;
         }
@@ -379,7 +406,7 @@ struct Prefill {
     const int64_t q_heads = kv_heads * group;
     for (int64_t m = 0; m < rows; ++m) {
       const int64_t token = starts[seq] + first_row + m / group, h = head * group + m % group;
-      const float inv = 1.0f / sum_lanes(load16(w.run_sum.data() + m * 16));  // >= 1: key 0 is visible to all
+      const float inv = 1.0f / sum_lanes(load16(w.run_sum.data() + m * 16));  // >= 1: each row sees itself
       const float* a = w.acc.data() + m * padded_dim;
       QT* o = out + (token * q_heads + h) * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<QT>(a[d] * inv);
@@ -389,14 +416,15 @@ struct Prefill {
 
 template <typename QT, typename KV>
 void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-             const at::Tensor& lens, const at::Tensor& starts, int64_t first_seq, double scale, at::Tensor& out) {
+             const at::Tensor& lens, const at::Tensor& starts, int64_t first_seq, double scale, int64_t window,
+             at::Tensor& out) {
   const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), group = q.size(1) / kv_heads;
   const int64_t padded_dim = (dim + 15) / 16 * 16;
   const Prefill<QT, KV> p{q.data_ptr<QT>(), q.stride(0), q.stride(1),
                           static_cast<const KV*>(k_cache.data_ptr()), static_cast<const KV*>(v_cache.data_ptr()),
                           k_cache.size(1), kv_heads, dim, padded_dim, group,
                           tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
-                          tables.stride(0), static_cast<float>(scale), out.data_ptr<QT>()};
+                          tables.stride(0), static_cast<float>(scale), window, out.data_ptr<QT>()};
   // One item per (sequence, kv head), its query tiles split into up to `parts` items when there are too few to keep
   // every thread busy (one long prompt): each part packs the keys up to its own last row.
   const int64_t num_seqs = lens.size(0) - first_seq, threads_wanted = at::get_num_threads();
@@ -409,8 +437,8 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     const int64_t split = std::max<int64_t>(1, std::min(parts, tiles)), per_part = (tiles + split - 1) / split;
     for (int64_t tile = 0; tile < tiles; tile += per_part) {
       const int64_t row_begin = tile * kRows, row_end = std::min(q_len, (tile + per_part) * kRows);
-      const int64_t prefix = len - q_len;
-      const int64_t cost = (row_end - row_begin) * (prefix + (row_begin + row_end) / 2);
+      const int64_t prefix = len - q_len, keys = prefix + (row_begin + row_end) / 2;
+      const int64_t cost = (row_end - row_begin) * (window > 0 ? std::min(keys, window) : keys);
       for (int64_t head = 0; head < kv_heads; ++head)
         items.push_back({static_cast<int32_t>(seq), static_cast<int32_t>(head), static_cast<int32_t>(row_begin),
                          static_cast<int32_t>(row_end), cost});
@@ -430,7 +458,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 // Everything the kernel will read is checked here, before the parallel region (an exception cannot leave one).
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                  int64_t first_seq, const at::Tensor& out) {
+                  int64_t first_seq, int64_t window, const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_prefill: q must be [T, Hq, D] and the caches [N, bs, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_prefill: k_cache and v_cache differ");
@@ -461,7 +489,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                 "paged_prefill: query rows of sequence ", seq, " fall outside q");
     TORCH_CHECK(q_len <= len && len <= width * block_size, "paged_prefill: sequence ", seq, " has ", q_len,
                 " new tokens and a context of ", len, " (block table: ", width, " blocks of ", block_size, ")");
-    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+    for (int64_t b = window_start(len - q_len, window) / block_size; b < (len + block_size - 1) / block_size; ++b) {
       const int64_t block = tables[seq * block_tables.stride(0) + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill: block id ", block, " out of range");
     }
@@ -470,17 +498,17 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 void paged_prefill_(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                    int64_t first_seq, double scale, at::Tensor out) {
-  check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, out);
+                    int64_t first_seq, double scale, int64_t window, at::Tensor out) {
+  check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, window, out);
   const auto q_type = q.scalar_type(), kv_type = k_cache.scalar_type();
   if (q_type == at::kFloat && kv_type == at::kFloat)
-    prefill<float, float>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, out);
+    prefill<float, float>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, window, out);
   else if (q_type == at::kBFloat16 && kv_type == at::kBFloat16)
     prefill<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq,
-                                          scale, out);
+                                          scale, window, out);
   else if (q_type == at::kHalf && kv_type == at::kHalf)
     prefill<c10::Half, c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale,
-                                  out);
+                                  window, out);
   else
     TORCH_CHECK(false, "paged_prefill: q and the caches must share one dtype of float32, bfloat16 or float16");
 }
@@ -489,7 +517,7 @@ void paged_prefill_(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
   m.def("paged_prefill_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, int first_seq, float scale, Tensor(a!) out) -> ()");
+        "Tensor query_start_loc, int first_seq, float scale, int window, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("paged_prefill_", &paged_prefill_); }
