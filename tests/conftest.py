@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# No test reaches the Hugging Face hub: a hub-shaped model name absent from the cache fails at once, not after
+# network timeouts (test_model_sources.py unsets it where it fakes a download).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 if not torch.cuda.is_available():
     # The Triton kernels run on CPU tensors through Triton's interpreter. Read when a kernel is decorated, so it is
     # set here, before any test module imports batchgen_kernels' Triton modules.

@@ -41,6 +41,12 @@ class PreparedJob:
     cost_per_hour: float | None = None  # the machine's price, for _SUCCESS's tokens_per_dollar
 
     @property
+    def model(self) -> str:
+        """The model the run loads: the fingerprint's, so a hub id is loaded at the commit the fingerprint pins even
+        if its branch moves meanwhile (the job's own `model` where a fingerprint was made without one)."""
+        return self.fingerprint.get("model") or self.config.model
+
+    @property
     def options(self) -> OutputOptions:
         return OutputOptions.of(self.config, self.inputs.column_types)
 
@@ -71,12 +77,13 @@ def prepare_job(config: JobConfig, overwrite: bool = False) -> PreparedJob:
     return job
 
 
-def inspect_job(config: JobConfig) -> PreparedJob:
+def inspect_job(config: JobConfig, no_download_because: str | None = None) -> PreparedJob:
     """The read-only checks that need no model (`batchgen plan` runs them too): input files and columns, model
-    location, device and memory (the engine settings were validated with the job)."""
+    location, device and memory (the engine settings were validated with the job). A hub model absent from the HF
+    cache is downloaded, unless `no_download_because` says why not."""
     inputs = inspect_input(config)
     check_executor(config)
-    model = check_model(config.model, config.input.chat_template is True)
+    model = check_model(config.model, config.input.chat_template is True, no_download_because)
     check_device(config.device)
     check_kv_cache_memory(config.engine)
     return PreparedJob(config, inputs, job_fingerprint(config, model, inputs), OutputDir(config.output.path))
@@ -102,20 +109,21 @@ def check_executor(config: JobConfig) -> None:
                                  "in batchgen's checkout (scripts/setup.sh installs it)") from None
 
 
-def check_model(ref: str, chat_template: bool) -> str:
+def check_model(ref: str, chat_template: bool, no_download_because: str | None = None) -> str:
     """Where the model is, checked cheaply (no loading, no conversion), and that it has a chat template when the
-    job uses the model's own (`chat_template`): what identifies it in the fingerprint."""
-    from batchgen.models.loader import ModelError, has_chat_template, locate_model
-    from batchgen.models.named import NAMED_MODELS
+    job uses the model's own (`chat_template`): what identifies it in the fingerprint (loader.model_id: a hub id
+    pinned to its commit)."""
+    from batchgen.models.loader import ModelError, has_chat_template, locate_model, model_id
 
     try:
-        path = locate_model(ref)
+        path = locate_model(ref, no_download_because)
         templated = has_chat_template(path) if chat_template else False
+        identity = model_id(ref, path)
     except ModelError as exc:
         raise JobConfigError(f"model: {exc}") from None
     if chat_template and not templated:
         raise no_chat_template(ref)
-    return ref if ref in NAMED_MODELS else str(path.resolve())
+    return identity
 
 
 def check_device(device: str) -> None:
@@ -240,10 +248,11 @@ def check_input_unchanged(job: PreparedJob) -> None:
                              f"re-run with --overwrite to start over")
 
 
-def engine_args_for(config: JobConfig, rows_left: int) -> EngineArgs:
+def engine_args_for(config: JobConfig, rows_left: int, model: str | None = None) -> EngineArgs:
     """The job's engine settings for a run of `rows_left` rows: max_num_seqs no higher than the sequences they can
     run at once (a row of n samples, or of k choices, runs as n or k), so the engine sizes its KV pool for them
-    (kv_pool.py) and not for the setting."""
+    (kv_pool.py) and not for the setting; `model`, when given (PreparedJob.model), instead of the job's."""
     sampling = config.sampling
     per_row = max(sampling.n, len(sampling.choice), 1)
-    return dataclasses.replace(config.engine, max_num_seqs=max(1, min(config.engine.max_num_seqs, rows_left * per_row)))
+    return dataclasses.replace(config.engine, model=model or config.engine.model,
+                               max_num_seqs=max(1, min(config.engine.max_num_seqs, rows_left * per_row)))

@@ -152,6 +152,7 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
         "resumed": progress.rows_this_run < totals.rows,
         "peak_memory_bytes": peak,
         "memory_bound_bytes": memory_bound(engine_stats),
+        "model": job.fingerprint["model"],  # as the fingerprint pins it: a hub id with its commit
         "dtype": engine_stats.get("dtype", dtype.name),
         "dtype_reason": engine_stats.get("dtype_reason", dtype.reason),
         "started_at": started_at.isoformat(),

@@ -1,9 +1,10 @@
-"""Find a model on disk (a GGUF is converted once into a cached safetensors directory: gguf_cache.py) and load it
-into our modules.
+"""Find a model (a directory, a .gguf file converted once into a cached safetensors directory: gguf_cache.py, or a
+Hugging Face hub id found in the HF cache or downloaded: hub.py) and load it into our modules.
 
 Every file of a model directory that batchgen or transformers reads must be a regular file (a FIFO would block the
-read forever), its config and tokenizer files no larger than batchgen.user_files' caps. A converted GGUF in the cache
-that passes the cache's check but still cannot be loaded is named, with the advice to delete it."""
+read forever), its config and tokenizer files no larger than batchgen.user_files' caps (checkpoint_files.py). A
+converted GGUF in the cache that passes the cache's check but still cannot be loaded is named, with the advice to
+delete it."""
 from __future__ import annotations
 
 import os
@@ -17,9 +18,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from batchgen.user_files import MODEL_CONFIG_LIMIT, TOKENIZER_FILE_LIMIT
-
+from .checkpoint_files import check_model_files, weight_files
 from .gguf_cache import check_cache_can_take, check_file, converted_gguf, is_cache_entry, read_json
+from .hub import hub_snapshot, parse_hub_id
 from .llama import LlamaForCausalLM
 from .quantization import quantize_model
 from .named import NAMED_MODELS
@@ -31,18 +32,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # The smallest encodings of a GGUF metadata entry and tensor info, to tell a header's counts from random bytes.
 _GGUF_MIN_ENTRY_BYTES, _GGUF_MIN_TENSOR_INFO_BYTES = 13, 24
 
-# The files of a model directory that batchgen or transformers reads, and the most each may hold (*.safetensors:
-# regular files of any size; additional_chat_templates/*.jinja: as chat_template.jinja).
-MODEL_FILE_LIMITS = {
-    "config.json": MODEL_CONFIG_LIMIT, "generation_config.json": MODEL_CONFIG_LIMIT,
-    "tokenizer_config.json": MODEL_CONFIG_LIMIT, "special_tokens_map.json": MODEL_CONFIG_LIMIT,
-    "added_tokens.json": MODEL_CONFIG_LIMIT, "chat_template.jinja": MODEL_CONFIG_LIMIT,
-    "chat_template.json": MODEL_CONFIG_LIMIT, "tokenizer.json": TOKENIZER_FILE_LIMIT,
-    "tokenizer.model": TOKENIZER_FILE_LIMIT, "vocab.json": TOKENIZER_FILE_LIMIT, "merges.txt": TOKENIZER_FILE_LIMIT,
-}
-
 __all__ = ["ModelError", "ModelNotFoundError", "ModelWeightsError", "check_model_files", "eos_token_ids", "load_model",
-           "load_tokenizer", "locate_model", "resolve_model"]
+           "load_tokenizer", "locate_model", "model_id", "resolve_model"]
 
 
 class ModelWeightsError(ModelError):
@@ -51,7 +42,8 @@ class ModelWeightsError(ModelError):
 
 def resolve_model(ref: str | os.PathLike) -> Path:
     """A local HF-style directory (config.json, *.safetensors, tokenizer) for `ref`: a named model ("default",
-    named.py), a directory or a .gguf file (converted once, then cached)."""
+    named.py), a directory, a .gguf file (converted once, then cached) or a hub id (from the HF cache, downloaded
+    when absent and allowed)."""
     path = find_model(ref)
     if path.is_dir():
         check_model_files(path)
@@ -59,11 +51,12 @@ def resolve_model(ref: str | os.PathLike) -> Path:
     return converted_gguf(path)
 
 
-def locate_model(ref: str | os.PathLike) -> Path:
+def locate_model(ref: str | os.PathLike, no_download_because: str | None = None) -> Path:
     """find_model, then cheap checks of what is there (nothing loaded or converted): an HF directory's files are
-    regular files, its config.json names a supported architecture and *.safetensors weights are there; a .gguf file
-    has a GGUF header, and its conversion is in the cache or the cache can take it."""
-    path = find_model(ref)
+    regular files, its config.json names a supported architecture and its weights are there; a .gguf file has a
+    GGUF header, and its conversion is in the cache or the cache can take it. `no_download_because`: why a hub id
+    absent from the HF cache must not be downloaded (None: it is, when the machine may go online)."""
+    path = find_model(ref, no_download_because)
     if path.is_dir():
         check_model_dir(path)
         return path
@@ -73,10 +66,23 @@ def locate_model(ref: str | os.PathLike) -> Path:
     return path
 
 
-def find_model(ref: str | os.PathLike) -> Path:
-    """A named model's .gguf file, or the directory with a config.json or the .gguf file `ref` names."""
+def model_id(ref: str | os.PathLike, path: Path) -> str:
+    """What identifies the model `ref` found at `path` (a job fingerprint's `model`): a named model's name, the
+    resolved path, or for a hub id the commit its snapshot is, `org/name@<commit>`: a moved branch is another model."""
+    if str(ref) in NAMED_MODELS:
+        return str(ref)
+    hub = parse_hub_id(str(ref))
+    return hub.pinned(path) if hub else str(Path(path).resolve())
+
+
+def find_model(ref: str | os.PathLike, no_download_because: str | None = None) -> Path:
+    """A named model's .gguf file, the directory with a config.json or the .gguf file `ref` names, or a hub id's
+    snapshot directory."""
     if str(ref) in NAMED_MODELS:
         return NAMED_MODELS[str(ref)].gguf(str(ref))
+    hub = parse_hub_id(str(ref))
+    if hub is not None:
+        return hub_snapshot(hub, no_download_because)
     path = Path(ref).expanduser()
     if path.is_dir():
         if not os.path.lexists(path / "config.json"):  # one that is there but not a regular file: check_model_files
@@ -88,7 +94,7 @@ def find_model(ref: str | os.PathLike) -> Path:
     if path.exists():
         raise ModelNotFoundError(f"{ref} is not a .gguf file (give a .gguf or an HF model directory)")
     raise ModelNotFoundError(f"{str(ref)!r} not found (expected a named model ({', '.join(NAMED_MODELS)}), an HF "
-                             f"model directory or a .gguf file)")
+                             f"model directory, a .gguf file or a Hugging Face hub id, org/name)")
 
 
 def check_model_dir(path: Path) -> None:
@@ -96,18 +102,8 @@ def check_model_dir(path: Path) -> None:
     the weights."""
     check_model_files(path)
     model_variant(SimpleNamespace(**read_json(path / "config.json")))
-    if not any(path.glob("*.safetensors")):
+    if not weight_files(path):
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
-
-
-def check_model_files(path: Path) -> None:
-    """Each file of the directory that batchgen or transformers reads, where present, is a regular file under its
-    cap (MODEL_FILE_LIMITS), checked before anything reads it: a FIFO or a device would block or never end."""
-    files = [(path / name, limit) for name, limit in MODEL_FILE_LIMITS.items() if os.path.lexists(path / name)]
-    files += [(file, MODEL_CONFIG_LIMIT) for file in sorted((path / "additional_chat_templates").glob("*.jinja"))]
-    files += [(file, None) for file in sorted(path.glob("*.safetensors"))]
-    for file, limit in files:
-        check_file(file, limit)
 
 
 def has_chat_template(path: Path) -> bool:
@@ -150,8 +146,8 @@ def check_gguf_header(path: Path) -> None:
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
                quantization: str | None = None) -> LlamaForCausalLM:
-    """Our model for the HF-style `model_dir`, its weights read from every *.safetensors shard, in eval mode;
-    with quantization "int8", its Linear layers int8 (models/quantization.py)."""
+    """Our model for the HF-style `model_dir`, its weights read from its safetensors shards (weight_files), in eval
+    mode; with quantization "int8", its Linear layers int8 (models/quantization.py)."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
@@ -159,7 +155,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     with _reading(model_dir, "config.json"):
         config = AutoConfig.from_pretrained(model_dir)
     variant = model_variant(config)  # before the weights: an unsupported architecture is what to report
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
     with _reading(model_dir, "weights", (OSError, SafetensorError, ModelWeightsError)), ExitStack() as stack:

@@ -14,6 +14,10 @@ class ModelError(Exception):
     """Base of every error about finding, reading or supporting a model."""
 
 
+class ModelNotFoundError(ModelError):
+    pass
+
+
 class UnsupportedModelError(ModelError, ValueError):
     pass
 

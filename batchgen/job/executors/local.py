@@ -32,7 +32,7 @@ def load_engine(job: PreparedJob):
 
     rows_left = job.done.count(0) if job.done is not None else job.config.engine.max_num_seqs
     try:
-        engine = Engine(engine_args_for(job.config, rows_left))
+        engine = Engine(engine_args_for(job.config, rows_left, job.model))
     except ModelError as exc:  # e.g. an architecture we do not support: a problem with the job, not a crash
         raise JobConfigError(f"model: {exc}") from None
     except SettingError as exc:  # a setting the engine cannot honour, e.g. a KV cache too small for the model

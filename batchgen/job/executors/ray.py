@@ -206,12 +206,13 @@ class RayExecutor:
         from batchgen.models.loader import load_tokenizer, resolve_model
 
         config = job.config
-        check_chat_template(config, load_tokenizer(resolve_model(config.model)))
+        check_chat_template(config, load_tokenizer(resolve_model(job.model)))
         on_start()
 
         def write(row: int, ident: Any, keep: tuple, results: list[Result], parse_json: bool, replica: int) -> None:
             sink.add(row, ident, keep, *results, parse_json=parse_json, replica=replica)
             on_row(results)
 
-        replicas = run_on_ray(config, job.inputs, job.done, engine_args_for(config, job.done.count(0)), write)
+        engine_args = engine_args_for(config, job.done.count(0), job.model)
+        replicas = run_on_ray(config, job.inputs, job.done, engine_args, write)
         return ExecutorRun(replicas=replicas)

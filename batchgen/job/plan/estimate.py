@@ -28,6 +28,8 @@ from .throughput import TimeEstimate, estimate_time
 
 # Over this share of the available memory the plan warns; over all of it, it refuses (exit 2).
 MEMORY_WARN_SHARE = 0.8
+# Why a hub model absent from the HF cache stops the plan: what run would do instead.
+PLAN_NO_DOWNLOAD = "batchgen plan downloads nothing (batchgen run would download it)"
 
 
 @dataclass
@@ -88,14 +90,15 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     from batchgen.engine.startup import context_length, context_limit, resolve_device, resolve_dtype
     from batchgen.models.packed_linear import packing_supported
 
-    job = inspect_job(config)  # prepare_job's checks, without taking the output (its lock, --overwrite's removal)
+    # prepare_job's checks, without taking the output (its lock, --overwrite's removal) or downloading a model
+    job = inspect_job(config, no_download_because=PLAN_NO_DOWNLOAD)
     inputs, model_ref = job.inputs, job.fingerprint["model"]
     output_state, rows_left, problems = output_status(job, overwrite)
 
     device = resolve_device(config.device)
     choice = resolve_dtype(config.dtype, device)
     dtype = choice.dtype
-    model_dir, tokenizer, converted_now = load_model_files(config)
+    model_dir, tokenizer, converted_now = load_model_files(config, model_ref)
     shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu",
                                            config.engine.quantization)
     baseline = process_rss()  # what a run holds before its weights: see memory.py
@@ -205,14 +208,15 @@ def window_bytes(config: JobConfig, tokens: TokenStats, total_rows: int) -> int:
     return int(rows * mean_prompt * memory.WINDOW_BYTES_PER_TOKEN)
 
 
-def load_model_files(config: JobConfig):
-    """The model's directory (a GGUF is converted once, into the cache) and its tokenizer; no weights."""
+def load_model_files(config: JobConfig, model_ref: str):
+    """The directory of the model the fingerprint names (a GGUF is converted once, into the cache; a hub model is
+    the commit found in the HF cache) and its tokenizer; no weights."""
     from batchgen.models import ModelError
     from batchgen.models.loader import load_tokenizer, resolve_model
 
     before = process_rss()
     try:
-        model_dir = resolve_model(config.model)
+        model_dir = resolve_model(model_ref)
         # A conversion loads the whole model in this process: the baseline measured below then overstates a run's.
         converted_now = process_rss() - before > 256 * 2**20
         tokenizer = load_tokenizer(model_dir)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from batchgen.models.checkpoint_files import weight_files
+
 from ..keys import JobConfigError
 
 _SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -83,8 +85,7 @@ def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool,
     from batchgen.models.quantization import is_quantized
     from batchgen.models.registry import build_model, model_variant
 
-    names = {name for file in sorted(Path(model_dir).glob("*.safetensors"))
-             for name in read_safetensors_header(file)}
+    names = {name for file in weight_files(model_dir) for name in read_safetensors_header(file)}
     try:
         config = AutoConfig.from_pretrained(model_dir)
         variant = model_variant(config)
@@ -141,7 +142,7 @@ def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype
     pages count once, when the first step touches them), and copies the others (fused, converted or quantized). A
     copied tensor's pages stay resident beside the copy as long as the file stays mapped: while any view of it
     lives. A quantized matrix [out, in] is held as int8 with a scale per output row."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
         raise JobConfigError(f"model: no *.safetensors weights in {model_dir}")
     quantized = any(use.quantized for use in used.values())

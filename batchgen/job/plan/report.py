@@ -1,6 +1,7 @@
 """`batchgen plan`'s screen: one section per line group, figures with the arithmetic behind them."""
 from __future__ import annotations
 
+from batchgen.models.hub import parse_hub_id
 from batchgen.models.named import NAMED_MODELS
 
 from .estimate import MEMORY_WARN_SHARE, Plan, percentile, seqs_at_once
@@ -23,7 +24,8 @@ def format_plan(plan: Plan, job_path: str) -> str:
 def _job(plan: Plan) -> list[str]:
     c, e = plan.config, plan.config.engine
     where = "" if plan.model_ref in NAMED_MODELS else f" ({plan.model_dir})"
-    return [f"valid: model {c.model}{where}, {plan.dtype.name} on {plan.device.type} ({plan.dtype.reason}); sort {c.input.sort} "
+    model = plan.model_ref if parse_hub_id(c.model) else c.model  # a hub id with the commit it resolved to
+    return [f"valid: model {model}{where}, {plan.dtype.name} on {plan.device.type} ({plan.dtype.reason}); sort {c.input.sort} "
             f"(window {c.input.sort_window:,}), max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
             f"{e.max_num_batched_tokens:,}, block_size {e.block_size}, prefix cache "
             f"{'on' if e.enable_prefix_caching else 'off'}"]
