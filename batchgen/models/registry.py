@@ -22,10 +22,6 @@ class UnsupportedModelError(ModelError, ValueError):
     pass
 
 
-class ModelNotFoundError(ModelError):
-    pass
-
-
 # config.architectures[0] → the variant's flags, read from the config where the architecture leaves them open.
 _VARIANTS: dict[str, Callable[[object], LlamaVariant]] = {
     "LlamaForCausalLM": lambda c: LlamaVariant(
