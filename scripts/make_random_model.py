@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 from batchgen.models.gguf_cache import cache_root
-from batchgen.models.loader import MODEL_FILE_LIMITS, ModelError, load_tokenizer, resolve_model
+from batchgen.models.checkpoint_files import MODEL_FILE_LIMITS, WEIGHTS_INDEX
+from batchgen.models.loader import ModelError, load_tokenizer, resolve_model
 
 _LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
            "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
@@ -67,9 +68,9 @@ SHAPES: dict[str, dict] = {
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 # Gemma's RMSNorm scales by (1 + weight): its neutral weight is 0, Llama's and Qwen's is 1.
 NORM_WEIGHT = {"gemma3_text": 0.0}
-_CONFIG_FILES = ("config.json", "generation_config.json")
+_CONFIG_FILES = ("config.json", "generation_config.json", WEIGHTS_INDEX)
 TOKENIZER_FILES = tuple(name for name in MODEL_FILE_LIMITS if name not in _CONFIG_FILES)
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = WEIGHTS_INDEX
 GIB = 1 << 30
 
 

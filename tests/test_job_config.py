@@ -159,6 +159,7 @@ def test_unknown_keys_are_rejected_with_a_suggestion():
     ({"input": {"path": 5}}, "input.path: expected a string, got 5"),
     ({"input": {"path": " "}}, "input.path: must not be empty"),
     ({"input": {"chat_template": "yes"}}, "input.chat_template: expected true or false"),
+    ({"input": {"chat_template": "{% for m in messages %}"}}, "input.chat_template: not a valid Jinja template"),
     ({"input": {"id_column": ""}}, "input.id_column: must be a column name"),
     ({"input": {"sort_window": 0}}, "input.sort_window: must be at least 1"),
     ({"output": {"order": "random"}}, "output.order: expected one of input | completion"),

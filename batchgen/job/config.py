@@ -276,8 +276,8 @@ def _check_input(cfg: InputConfig) -> None:
         raise JobConfigError("input.template: cannot be combined with input.messages_column")
     if cfg.system_prompt is not None and cfg.system_column:
         raise JobConfigError("input.system_column: set input.system_prompt or input.system_column, not both")
-    if isinstance(cfg.chat_template, str) and not cfg.chat_template.strip():
-        raise JobConfigError("input.chat_template: expected true, false or a chat template, got an empty string")
+    if isinstance(cfg.chat_template, str):
+        _check_chat_template(cfg.chat_template)
     if not cfg.chat_template:
         for name in ("messages_column", "system_prompt", "system_column"):
             if getattr(cfg, name) is not None:
@@ -288,6 +288,20 @@ def _check_input(cfg: InputConfig) -> None:
         raise JobConfigError("input.sort_window: must be at least 1")
     if cfg.read_batch_rows < 1:
         raise JobConfigError("input.read_batch_rows: must be at least 1")
+
+
+def _check_chat_template(text: str) -> None:
+    """A job's own chat template: Jinja that renders `messages` (a plain word such as `yes` is a typo for true)."""
+    if "{{" not in text and "{%" not in text:
+        raise JobConfigError(f"input.chat_template: expected true or false, or a Jinja chat template (with "
+                             f"{{{{ ... }}}} or {{% ... %}}), got {text!r}")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise JobConfigError(f"input.chat_template: not a valid Jinja template: {exc.message} (line {exc.lineno})") \
+            from None
 
 
 def template_columns(template: str) -> list[str]:

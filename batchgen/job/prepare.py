@@ -83,7 +83,7 @@ def inspect_job(config: JobConfig, no_download_because: str | None = None) -> Pr
     cache is downloaded, unless `no_download_because` says why not."""
     inputs = inspect_input(config)
     check_executor(config)
-    model = check_model(config.model, config.input.chat_template is True, no_download_because)
+    model = check_model(config.model, no_download_because, chat_template=config.input.chat_template is True)
     check_device(config.device)
     check_kv_cache_memory(config.engine)
     return PreparedJob(config, inputs, job_fingerprint(config, model, inputs), OutputDir(config.output.path))
@@ -109,7 +109,7 @@ def check_executor(config: JobConfig) -> None:
                                  "in batchgen's checkout (scripts/setup.sh installs it)") from None
 
 
-def check_model(ref: str, chat_template: bool, no_download_because: str | None = None) -> str:
+def check_model(ref: str, no_download_because: str | None = None, chat_template: bool = False) -> str:
     """Where the model is, checked cheaply (no loading, no conversion), and that it has a chat template when the
     job uses the model's own (`chat_template`): what identifies it in the fingerprint (loader.model_id: a hub id
     pinned to its commit)."""
