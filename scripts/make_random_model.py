@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 from batchgen.models.gguf_cache import cache_root
-from batchgen.models.loader import MODEL_FILE_LIMITS, ModelError, load_tokenizer, resolve_model
+from batchgen.models.checkpoint_files import MODEL_FILE_LIMITS
+from batchgen.models.loader import ModelError, load_tokenizer, resolve_model
 
 _LLAMA3 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
            "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
