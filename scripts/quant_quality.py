@@ -9,14 +9,13 @@
 
     PYTHONPATH=$PWD:$PWD/kernels python scripts/quant_quality.py --dtype float32 bfloat16
 
-Each quantized engine is built as `quantization: int8` builds it (the loader's `quantize_model`, before the CPU's
+Each quantized engine is built as `quantization: int8` builds it (the loader quantizes layer by layer, before the CPU's
 weight packing); --variant tries the alternatives (no int8 LM head, weight-only int8 with bf16 activations) by
-passing their options to that same call.
+setting their options in the loader's INT8_OPTIONS.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import random
 import sys
@@ -34,7 +33,6 @@ from batchgen.engine.request import Request, SamplingParams
 from batchgen.models.loader import load_tokenizer, resolve_model
 from batchgen.models.accounting import weight_bytes
 from batchgen.models import loader
-from batchgen.models.quantization import quantize_model
 from batchgen_kernels import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,8 +108,8 @@ def perplexity(model, windows: list[list[int]], block_size: int = 16) -> float:
 def evaluate(dtype: str, variant: str | None, rows, windows, max_tokens: int) -> dict:
     if variant is None:
         engine = Engine(EngineArgs(dtype=dtype, kv_cache_memory="3GiB"))
-    else:  # the engine's own int8 load, with the variant's options passed to the loader's quantize_model
-        with mock.patch.object(loader, "quantize_model", functools.partial(quantize_model, **VARIANTS[variant])):
+    else:  # the engine's own int8 load, with the variant's options in the loader's INT8_OPTIONS
+        with mock.patch.dict(loader.INT8_OPTIONS, VARIANTS[variant]):
             engine = Engine(EngineArgs(dtype=dtype, kv_cache_memory="3GiB", quantization="int8"))
     start = time.perf_counter()
     outputs = greedy(engine, rows, max_tokens)

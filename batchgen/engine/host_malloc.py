@@ -40,3 +40,16 @@ def keep_step_memory() -> int:
             logger.debug("malloc: mmap threshold %d MiB, trim threshold %d MiB", threshold >> 20, threshold >> 19)
             return threshold
     return 0
+
+
+def release_freed_memory() -> bool:
+    """malloc_trim(0): hand the heap's free pages back to the kernel (glibc's dynamic mmap threshold rises with each
+    freed large block, so a model's loading leaves later mid-size copies in the heap, freed but resident)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return trim(0) == 1

@@ -13,15 +13,15 @@ from batchgen_kernels import BackendChoice, choose_backend
 from batchgen_kernels.elementwise import get_elementwise
 
 from ..models.llama import attention_heads
-from ..models.loader import eos_token_ids, load_model, load_tokenizer, own_storage, resolve_model
+from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
 from ..models.accounting import num_parameters, weight_bytes
-from ..models.packed_linear import pack_linears, packing_supported
+from ..models.packed_linear import PackedLinear, packing_supported
 from .cpu_features import DtypeChoice, auto_cpu_dtype
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs
 from .errors import SettingError
 from .gpu_memory import profile_step
-from .host_malloc import keep_step_memory
+from .host_malloc import keep_step_memory, release_freed_memory
 from .kernel_warmup import compile_attention_kernels, uses_triton
 from .kv_pool import KVPoolSize, kv_cache_budget, size_kv_pool
 from .model_runner import ModelRunner
@@ -58,15 +58,16 @@ def set_up(args: EngineArgs) -> EngineSetup:
         check_attention_shape(args, device, dtype.dtype, AutoConfig.from_pretrained(model_dir))
     tokenizer = load_tokenizer(model_dir)
     logger.info("dtype %s", dtype.reason)
-    model = load_model(model_dir, dtype.dtype, device, args.quantization)
+    pack = packing_supported(device, dtype.dtype)
+    model = load_model(model_dir, dtype.dtype, device, args.quantization, pack)
     if args.quantization == "int8":  # said at every run, not only in the README: outputs change
         logger.warning("quantization int8: weights and (on the CPU) activations in int8; on the default model this "
                        "raised perplexity by ~4.5% and changed most greedy outputs (README, Performance)")
-    if packing_supported(device, dtype.dtype):
-        packed = pack_linears(model)  # 0 with int8, whose loader already released the checkpoint's pages
+    if pack:
+        packed = sum(isinstance(module, PackedLinear) for module in model.modules())
         logger.info("linear layers: oneDNN, %d weights packed", packed)
-        if packed:
-            own_storage(model)
+    if device.type == "cpu":  # the loader's freed plain copies back to the system (host_malloc.py)
+        release_freed_memory()
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     eos = eos_token_ids(model_dir, tokenizer)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.

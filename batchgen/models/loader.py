@@ -22,12 +22,16 @@ from .checkpoint_files import check_model_files, weight_files
 from .gguf_cache import check_cache_can_take, check_file, converted_gguf, is_cache_entry, read_json
 from .hub import hub_snapshot, parse_hub_id
 from .llama import LlamaForCausalLM
-from .quantization import quantize_model
+from .packed_linear import PackedLinear
+from .quantization import Int8Linear, is_quantized
 from .named import NAMED_MODELS
 from .registry import ModelError, ModelNotFoundError, UnsupportedModelError, build_model, model_variant
+from .weight_reader import ShardReader
 
 # Checkpoint entries that are derived state, not weights: older Llama checkpoints saved the RoPE frequencies.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# quantize_model's options as the loader applies them, layer by layer (scripts/quant_quality.py varies them).
+INT8_OPTIONS = {"lm_head": True, "activations": "dynamic_int8"}
 
 # The smallest encodings of a GGUF metadata entry and tensor info, to tell a header's counts from random bytes.
 _GGUF_MIN_ENTRY_BYTES, _GGUF_MIN_TENSOR_INFO_BYTES = 13, 24
@@ -146,9 +150,13 @@ def check_gguf_header(path: Path) -> None:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
-               quantization: str | None = None) -> LlamaForCausalLM:
+               quantization: str | None = None, pack: bool = False) -> LlamaForCausalLM:
     """Our model for the HF-style `model_dir`, its weights read from its safetensors shards (weight_files), in eval
-    mode; with quantization "int8", its Linear layers int8 (models/quantization.py)."""
+    mode; with quantization "int8", its Linear layers int8 (models/quantization.py); with `pack` (a CPU that
+    packing_supported), its other Linear layers oneDNN-packed (models/packed_linear.py).
+
+    Each Linear is built in its final form as soon as its weights are read, before the next is read: the model never
+    holds more than its final weights and one layer's plain copy, and nothing maps the checkpoint (weight_reader)."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
@@ -159,10 +167,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     files = weight_files(model_dir)
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")
-    with _reading(model_dir, "weights", (OSError, SafetensorError, ModelWeightsError)), ExitStack() as stack:
-        shard_of: dict[str, object] = {}  # checkpoint tensor name → the open (memory-mapped) shard holding it
+    with _reading(model_dir, "weights", (OSError, SafetensorError, ModelWeightsError, ValueError)), \
+            ExitStack() as stack:
+        shard_of: dict[str, ShardReader] = {}  # checkpoint tensor name → the open shard holding it
         for file in files:
-            shard = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            with safe_open(str(file), framework="pt", device="cpu"):
+                pass  # safetensors' own check of the header; the data is read by ShardReader
+            shard = ShardReader(file)
+            stack.callback(shard.close)
             for name in shard.keys():
                 shard_of[name] = shard
         if "lm_head.weight" not in shard_of:
@@ -170,25 +182,48 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
         model = _build_on_meta(config, variant, model_dir)
         sources = checkpoint_sources(model)
         _check_names(sources, shard_of, variant.tie_word_embeddings, model_dir)
+        pending = None  # the module whose parameters are being read; finished once the next one starts
         for param_name, names in sources.items():
-            parts = [shard_of[name].get_tensor(name) for name in names]
-            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            _set_parameter(model, param_name, tensor.to(device=device, dtype=dtype))
+            module_name = param_name.rpartition(".")[0]
+            if module_name != pending:
+                _finish(model, pending, quantization, pack)
+                pending = module_name
+            _set_parameter(model, param_name, _read(shard_of, param_name, names, model, dtype).to(device))
+        _finish(model, pending, quantization, pack)
     model.tie_weights()
-    if quantization == "int8":
-        quantize_model(model)
-        if device.type == "cpu":
-            own_storage(model)
+    _finish(model, "lm_head", quantization, pack)  # a tied head: its own int8 or packed copy of the embedding
     return model.to(device).eval()
 
 
-def own_storage(model: nn.Module) -> None:
-    """Copy the parameters that may still be views of the memory-mapped checkpoint (those already in the run's
-    dtype: the embedding, the norms). While one view lives the file stays mapped, and with it every page that
-    quantizing or packing read: more resident memory than either saves."""
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            setattr(module, name, nn.Parameter(param.detach().clone(), requires_grad=False))
+def _read(shard_of: dict, param_name: str, names: list[str], model: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The parameter in `dtype`, its parts read (cast) straight into their rows of one new tensor."""
+    shape = list(model.get_parameter(param_name).shape)
+    parts = [shard_of[name].info(name)[1] for name in names]
+    if any(len(part) != len(shape) or part[1:] != shape[1:] for part in parts) or \
+            sum(part[0] if part else 1 for part in parts) != (shape[0] if shape else 1):
+        raise ModelWeightsError(f"weight {param_name}: checkpoint shape "
+                                f"{parts[0] if len(parts) == 1 else parts}, model expects {shape}")
+    out, row = torch.empty(shape, dtype=dtype), 0
+    for name, part in zip(names, parts):
+        shard_of[name].read_into(name, out[row:row + part[0]] if len(parts) > 1 else out)
+        row += part[0] if part else 1
+    return out
+
+
+def _finish(model: nn.Module, module_name: str | None, quantization: str | None, pack: bool) -> None:
+    """Give a fully read plain Linear its final form (int8, or packed), dropping its plain weight."""
+    if module_name is None:
+        return
+    module = model.get_submodule(module_name)
+    if type(module) is not nn.Linear or module.weight.is_meta:
+        return
+    parent_name, _, leaf = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if quantization == "int8" and is_quantized(f"{module_name}.weight") and \
+            (module_name != "lm_head" or INT8_OPTIONS["lm_head"]):
+        setattr(parent, leaf, Int8Linear.from_linear(module, INT8_OPTIONS["activations"]))
+    elif pack:
+        setattr(parent, leaf, PackedLinear(module.weight, module.bias))
 
 
 def _build_on_meta(config, variant, model_dir: Path) -> LlamaForCausalLM:

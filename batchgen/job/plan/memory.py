@@ -5,13 +5,10 @@ On the CPU the estimate is of peak RSS, the figure a run writes as `peak_memory_
   baseline     this process's RSS once python, torch, transformers, pyarrow, the tokenizer and the model's
                (meta-device) modules are loaded: a run holds the same before its weights;
   weights      every parameter at the run's dtype (int8 for the quantized ones with quantization: int8), plus
-               the checkpoint pages that stay resident beside copies;
-  packed       where the CPU's linear layers are packed for oneDNN (models/packed_linear.py): a second copy of
-               every matmul weight (the LM head too), which exists beside the plain weights while they are packed;
-  released     then the plain matmul weights and the checkpoint's pages are dropped (startup: pack_linears, then
-               own_storage), before the KV blocks and the steps take memory: the peak is the larger of loading
-               (weights, mapped, packed) and running (what the model holds, KV pool, activations, sort window), so
-               this part is minus the smaller of that drop and the running parts;
+               no checkpoint pages (mapped: 0): the loader reads into memory it owns (models/weight_reader.py);
+  packed       where the CPU's linear layers are packed for oneDNN (models/packed_linear.py): every matmul weight
+               (the LM head too, a tied one as its own copy), each packed as soon as it is read;
+  released     minus the plain matmul weights, which the packed ones replace one at a time (models/loader.py);
   KV pool      at most all of it: its pages become resident as its blocks are first used, and a long job
                uses them all (freed blocks stay cached until the never-used ones are gone);
   activations  the largest step (max_num_batched_tokens tokens), the longest prompt's attention scores, logits
@@ -33,7 +30,6 @@ from batchgen.models.checkpoint_files import weight_files
 
 from ..keys import JobConfigError
 
-_SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 # Measured on this project's machine (2-core EPYC, torch 2.13 CPU, the default model, fp32): the peak RSS growth of
 # gpu_memory.run_dummy_step over a 16-token step was 86.5, 181.7 and 379.8 MiB for 2,048 / 4,096 / 8,192 tokens
@@ -138,19 +134,15 @@ def read_safetensors_header(path: Path) -> dict:
 def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype, on_cpu: bool) -> WeightBytes:
     """`used`: each checkpoint tensor the loader reads -> how it uses it.
 
-    On the CPU the loader keeps a tensor whose dtype is already the run's as a view of the memory-mapped file (its
-    pages count once, when the first step touches them), and copies the others (fused, converted or quantized). A
-    copied tensor's pages stay resident beside the copy as long as the file stays mapped: while any view of it
-    lives. A quantized matrix [out, in] is held as int8 with a scale per output row."""
+    The loader reads every tensor into memory it owns and maps nothing (models/weight_reader.py), so no checkpoint
+    page stays resident: `mapped` is 0. A quantized matrix [out, in] is held as int8 with a scale per output row."""
     files = weight_files(model_dir)
     if not files:
         raise JobConfigError(f"model: no *.safetensors weights in {model_dir}")
-    quantized = any(use.quantized for use in used.values())
-    run_name, run_bytes = _SAFETENSORS_NAMES.get(dtype), torch.finfo(dtype).bits // 8
-    parameters = loaded = mapped = linear = 0
+    run_bytes = torch.finfo(dtype).bits // 8
+    parameters = loaded = linear = 0
     dtypes: set[str] = set()
     for file in files:
-        copied, viewed = 0, False
         for name, entry in read_safetensors_header(file).items():
             if name not in used:
                 continue
@@ -161,20 +153,14 @@ def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype
             loaded += size
             linear += size if use.linear else 0
             dtypes.add(entry["dtype"])
-            if use.fused or use.quantized or entry["dtype"] != run_name:
-                copied += entry["data_offsets"][1] - entry["data_offsets"][0]
-            else:
-                viewed = True
-        if on_cpu and viewed and not quantized:  # the loader copies the views of a quantized model: no mapping stays
-            mapped += copied
-    return WeightBytes(len(files), parameters, tuple(sorted(dtypes)), loaded, mapped, linear)
+    return WeightBytes(len(files), parameters, tuple(sorted(dtypes)), loaded, 0, linear)
 
 
 def released_after_packing(weights: WeightBytes, running: int) -> int:
-    """The (negative) part that makes the estimate the larger of loading and running: packing drops the plain
-    matmul weights and, once own_storage has copied the last views, the checkpoint's pages, before `running` (the
-    KV blocks, activations and sort window) takes memory."""
-    return -min(weights.linear + weights.mapped, running)
+    """The (negative) part for the plain matmul weights: the loader packs each one as soon as it is read and drops
+    it (models/loader.py), so only the packed copies (and a tied head's) are ever held together. `running` is
+    kept for the callers' sake: loading no longer peaks above running."""
+    return -weights.linear
 
 
 def packed_weight_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
