@@ -17,7 +17,7 @@ from batchgen_kernels import AttentionMetadata
 from batchgen_kernels.elementwise import TorchElementwise
 
 from .attention import Attention
-from .llama import LlamaVariant, RotaryEmbedding, attention_heads, inv_freq_of
+from .llama import CausalLM, LlamaVariant, RotaryEmbedding, attention_heads, inv_freq_of
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -125,7 +125,7 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config, variant: LlamaVariant) -> None:
         super().__init__()
         activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
@@ -149,31 +149,8 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotary_emb_local = RotaryEmbedding(inv_freq_of(ropes[SLIDING], self.head_dim),
                                                 config.max_position_embeddings)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.ops = TorchElementwise
+        self.ops = TorchElementwise  # only its rope_qk: Gemma's norms and gate have numerics of their own
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.variant.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
-
-    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                      attention_backend: str = "auto") -> None:
-        if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
-            raise ValueError(f"need {self.num_layers} k and v caches, got {len(k_caches)} and {len(v_caches)}")
-        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
-            layer.self_attn.attn.bind_kv_cache(k_cache, v_cache, attention_backend)
-
-    def use_elementwise(self, ops) -> None:
-        """Only rope_qk is taken from `ops`: Gemma's norms and gate have numerics of their own."""
-        self.ops = ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

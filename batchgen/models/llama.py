@@ -180,22 +180,10 @@ def attention_heads(config) -> tuple[int, int, int]:
             getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, variant: LlamaVariant) -> None:
-        super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' (SwiGLU) is implemented")
-        self.config = config
-        self.variant = variant
-        self.num_layers = config.num_hidden_layers
-        self.num_heads, self.num_kv_heads, self.head_dim = attention_heads(config)
-        self.vocab_size = config.vocab_size
-        self.max_model_len = _max_model_len(config)
-        self.model = LlamaModel(config, variant, self.head_dim, self.num_kv_heads)
-        self.rotary_emb = RotaryEmbedding(rope_inv_freq(config, self.head_dim), config.max_position_embeddings)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.ops = TorchElementwise  # see use_elementwise
-        self.tie_weights()
+class CausalLM(nn.Module):
+    """What the engine, the loader, packing and int8 use of a decoder, shared by every architecture (this file's and
+    gemma3.py's): a subclass sets `variant`, `num_layers`, `model` (`embed_tokens`, `layers[i].self_attn.attn`),
+    `lm_head` and `ops`, and defines forward and compute_logits."""
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the variant says so (call after loading)."""
@@ -222,6 +210,24 @@ class LlamaForCausalLM(nn.Module):
     def use_elementwise(self, ops) -> None:
         """The elementwise implementation forward runs (batchgen_kernels.elementwise: torch ops or fused kernels)."""
         self.ops = ops
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config, variant: LlamaVariant) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' (SwiGLU) is implemented")
+        self.config = config
+        self.variant = variant
+        self.num_layers = config.num_hidden_layers
+        self.num_heads, self.num_kv_heads, self.head_dim = attention_heads(config)
+        self.vocab_size = config.vocab_size
+        self.max_model_len = _max_model_len(config)
+        self.model = LlamaModel(config, variant, self.head_dim, self.num_kv_heads)
+        self.rotary_emb = RotaryEmbedding(rope_inv_freq(config, self.head_dim), config.max_position_embeddings)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ops = TorchElementwise  # see use_elementwise
+        self.tie_weights()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
