@@ -91,6 +91,7 @@ def available() -> bool:
     return status().available
 
 
+@functools.lru_cache(maxsize=None)  # once per process: status() may be asked again after cache_clear (the tests)
 def _register_fake() -> None:
     @torch.library.register_fake("batchgen::paged_prefill_amx_")
     def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, window, out):
