@@ -12,7 +12,9 @@
   cpu-prefill: a step's prefills through the torch reference (per sequence: gather, then SDPA or two bmm) vs the
            C++ kernel (all sequences in one call, K/V read in place), fp32 and bf16: labeling-like prompts after a
            cached prefix, whole prompts, one long prompt; time, ratio and GFLOP/s (not in the default set)
-Usage: python scripts/microbench_attention.py [decode|prefill|mlp|cpu|cpu-stream|cpu-prefill ...]"""
+  amx-prefill: cpu-prefill's bf16 cases through the AVX512_BF16 kernel vs the AMX tile kernel, on a CPU with AMX only
+           (not in the default set)
+Usage: python scripts/microbench_attention.py [decode|prefill|mlp|cpu|cpu-stream|cpu-prefill|amx-prefill ...]"""
 from __future__ import annotations
 
 import random
@@ -177,33 +179,55 @@ def prefill_flops(query_lens: list[int], seq_lens: list[int]) -> int:
     return 4 * DIM * KV_HEADS * GROUP * visible
 
 
+PREFILL_CASES = {"8 x 104 new after 280 cached": ([104] * 8, [384] * 8), "4 x 400 whole prompts": ([400] * 4, [400] * 4),
+                 "1 x 1,024 whole prompt": ([1024], [1024]), "1 x 256 chunk after 1,792": ([256], [2048])}
+
+
+def prefill_case(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int]):
+    """q, random K/V caches behind a shuffled block table, the step's metadata and an output buffer."""
+    widths = [-(-n // BLOCK) for n in seq_lens]
+    num_blocks = sum(widths) + 16
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
+    ids = torch.randperm(num_blocks).int()
+    table = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
+    for row, width in enumerate(widths):
+        table[row, :width] = ids[sum(widths[:row]):sum(widths[:row]) + width]
+    q = torch.randn(sum(query_lens), KV_HEADS * GROUP, DIM).to(dtype)
+    md = AttentionMetadata.build(query_lens, seq_lens, table, torch.zeros(q.shape[0], dtype=torch.int64), "cpu")
+    return q, k_cache, v_cache, md, torch.empty_like(q)
+
+
+def print_prefill_header(first: str, second: str) -> None:
+    threads = torch.get_num_threads()
+    print(f"{'':>38} | {'1 thread, CPU time (best of 5)':^38} | {f'{threads} threads, wall time (best of 5)':^38}")
+    print(f"{'dtype':>8} {'case':>29} | {first:>8} {second:>9} {'speedup':>7} {'GFLOP/s':>8} | "
+          f"{first:>8} {second:>9} {'speedup':>7} {'GFLOP/s':>8}")
+
+
+def compare_prefills(dtype, name, query_lens, seq_lens, first, second) -> None:
+    """second against first (which it must match), on one thread and on torch's threads; GFLOP/s are second's."""
+    expected = first().clone()
+    torch.testing.assert_close(second().float(), expected.float(), atol=3e-2, rtol=3e-2)
+    gflop = prefill_flops(query_lens, seq_lens) / 1e9
+    first_1, second_1, first_n, second_n = one_thread_then_all(first, second, torch.get_num_threads())
+    print(f"{str(dtype)[6:]:>8} {name:>29} | {first_1:>8.2f} {second_1:>9.2f} {first_1 / second_1:>6.2f}x "
+          f"{gflop / second_1 * 1e3:>8.0f} | {first_n:>8.2f} {second_n:>9.2f} {first_n / second_n:>6.2f}x "
+          f"{gflop / second_n * 1e3:>8.0f}")
+
+
 def cpu_prefill() -> None:
     """Like cpu(): one thread by CPU time, then torch's threads by wall time."""
     from batchgen_kernels import cpu_backend
 
     if not cpu_backend.available():
         sys.exit("the C++ CPU kernels could not be built (see the warning above)")
-    threads = torch.get_num_threads()
     print(f"prefill, one layer ({KV_HEADS} kv heads x {GROUP} query heads each, head_dim {DIM}, block {BLOCK}); "
           "reference = reference.paged_prefills, kernel = cpu_backend.paged_prefills")
-    print(f"{'':>38} | {'1 thread, CPU time (best of 5)':^38} | {f'{threads} threads, wall time (best of 5)':^38}")
-    print(f"{'dtype':>8} {'case':>29} | {'ref ms':>8} {'kernel ms':>9} {'speedup':>7} {'GFLOP/s':>8} | "
-          f"{'ref ms':>8} {'kernel ms':>9} {'speedup':>7} {'GFLOP/s':>8}")
-    cases = {"8 x 104 new after 280 cached": ([104] * 8, [384] * 8), "4 x 400 whole prompts": ([400] * 4, [400] * 4),
-             "1 x 1,024 whole prompt": ([1024], [1024]), "1 x 256 chunk after 1,792": ([256], [2048])}
+    print_prefill_header("ref ms", "kernel ms")
     for dtype in (torch.float32, torch.bfloat16):
-        for name, (query_lens, seq_lens) in cases.items():
-            widths = [-(-n // BLOCK) for n in seq_lens]
-            num_blocks = sum(widths) + 16
-            k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
-            v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM).to(dtype)
-            ids = torch.randperm(num_blocks).int()
-            table = torch.zeros(len(seq_lens), max(widths), dtype=torch.int32)
-            for row, width in enumerate(widths):
-                table[row, :width] = ids[sum(widths[:row]):sum(widths[:row]) + width]
-            q = torch.randn(sum(query_lens), KV_HEADS * GROUP, DIM).to(dtype)
-            md = AttentionMetadata.build(query_lens, seq_lens, table, torch.zeros(q.shape[0], dtype=torch.int64), "cpu")
-            out = torch.empty_like(q)
+        for name, (query_lens, seq_lens) in PREFILL_CASES.items():
+            q, k_cache, v_cache, md, out = prefill_case(dtype, query_lens, seq_lens)
 
             def reference():
                 ref.paged_prefills(q, k_cache, v_cache, md, DIM ** -0.5, out)
@@ -213,13 +237,32 @@ def cpu_prefill() -> None:
                 cpu_backend.paged_prefills(q, k_cache, v_cache, md, DIM ** -0.5, out)
                 return out
 
-            expected = reference().clone()
-            torch.testing.assert_close(kernel().float(), expected.float(), atol=3e-2, rtol=3e-2)
-            gflop = prefill_flops(query_lens, seq_lens) / 1e9
-            ref_1, kernel_1, ref_n, kernel_n = one_thread_then_all(reference, kernel, threads)
-            print(f"{str(dtype)[6:]:>8} {name:>29} | {ref_1:>8.2f} {kernel_1:>9.2f} {ref_1 / kernel_1:>6.2f}x "
-                  f"{gflop / kernel_1 * 1e3:>8.0f} | {ref_n:>8.2f} {kernel_n:>9.2f} {ref_n / kernel_n:>6.2f}x "
-                  f"{gflop / kernel_n * 1e3:>8.0f}")
+            compare_prefills(dtype, name, query_lens, seq_lens, reference, kernel)
+
+
+def amx_prefill() -> None:
+    """bf16 prefills: the AMX tile kernel against the AVX512_BF16 one (both C++, both reading K/V in place), only
+    where amx.status() says the tiles run. Like cpu(): one thread by CPU time, then torch's threads by wall time."""
+    from batchgen_kernels import amx, cpu_backend
+
+    if not (cpu_backend.available() and amx.available()):
+        sys.exit(f"no AMX prefill here: {amx.status().reason}")
+    print(f"bf16 prefill, one layer ({KV_HEADS} kv heads x {GROUP} query heads each, head_dim {DIM}, block {BLOCK}); "
+          "avx512 = torch.ops.batchgen.paged_prefill_, amx = torch.ops.batchgen.paged_prefill_amx_")
+    print_prefill_header("avx512 ms", "amx ms")
+    for name, (query_lens, seq_lens) in PREFILL_CASES.items():
+        q, k_cache, v_cache, md, out = prefill_case(torch.bfloat16, query_lens, seq_lens)
+        args = (md.block_tables, md.seq_lens, md.query_start_loc, md.num_decodes, DIM ** -0.5, -1, out)
+
+        def avx512():
+            torch.ops.batchgen.paged_prefill_(q, k_cache, v_cache, *args)
+            return out
+
+        def tiles():
+            torch.ops.batchgen.paged_prefill_amx_(q, k_cache, v_cache, *args)
+            return out
+
+        compare_prefills(torch.bfloat16, name, query_lens, seq_lens, avx512, tiles)
 
 
 def prefill() -> None:
@@ -260,7 +303,7 @@ def mlp() -> None:
 
 if __name__ == "__main__":
     BENCHMARKS = {"decode": decode, "prefill": prefill, "mlp": mlp, "cpu": cpu, "cpu-stream": cpu_stream,
-                  "cpu-prefill": cpu_prefill}
+                  "cpu-prefill": cpu_prefill, "amx-prefill": amx_prefill}
     names = sys.argv[1:] or ["decode", "prefill", "mlp"]
     if any(name in ("-h", "--help") for name in names):
         print(__doc__)

@@ -11,7 +11,7 @@ import torch
 
 from attention_cases import (WINDOWS, TOLERANCE, assert_close, forget_blocks_before_windows, make_case,
                              poison_unused_slots, window_decode_lens)
-from batchgen_kernels import AttentionMetadata, cpu_backend, cpu_build, get_backend, reference
+from batchgen_kernels import AttentionMetadata, amx, cpu_backend, cpu_build, get_backend, reference
 
 if not cpu_backend.available():
     pytest.skip("the C++ CPU kernels cannot be built here (see the warning logged by batchgen_kernels.cpu_build)",
@@ -246,8 +246,9 @@ def test_the_source_ships_with_the_package():
     tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads TOML")
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     package = ROOT / "kernels" / "batchgen_kernels"
-    sources = sorted(package.glob("csrc/*"))
-    assert cpu_build.SOURCES == [s for s in sources if s.suffix == ".cpp"]
+    sources = sorted(path for path in package.glob("csrc/**/*") if path.is_file())
+    assert cpu_build.SOURCES == [s for s in sources if s.suffix == ".cpp" and s.parent.name == "csrc"]
+    assert list(amx.SPEC.sources) == [s for s in sources if s.suffix == ".cpp" and s.parent.name == "amx"]
     assert all(any(s.match(f"*/{pattern}") for pattern in patterns["batchgen_kernels"]) for s in sources)
 
 

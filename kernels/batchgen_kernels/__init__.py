@@ -53,7 +53,8 @@ def choose_backend(device: torch.device | str, name: str = "auto") -> BackendCho
             raise ValueError(f"the cpu attention backend runs on CPU tensors, not on {device.type}")
         from . import cpu_backend
         if cpu_backend.preferred() or (name == "cpu" and cpu_backend.available()):
-            return BackendChoice("cpu", "C++ CPU kernels")
+            from . import amx
+            return BackendChoice("cpu", "C++ CPU kernels" + (", bf16 prefill on AMX tiles" if amx.available() else ""))
         if cpu_backend.available():  # auto, built without AVX-512: torch's kernels are faster there
             return BackendChoice("torch", "torch reference: auto on a CPU without AVX-512 (the C++ attention "
                                           "kernels are slower than torch's there)")

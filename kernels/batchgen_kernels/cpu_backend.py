@@ -1,7 +1,7 @@
 """The CPU attention backend: the reference's interface (`store_kv`, `paged_attention`) with a step's decode rows in
 one call of one C++ kernel (csrc/paged_decode_cpu.cpp) and its prefill rows in one call of another
-(csrc/paged_prefill_cpu.cpp); both read K/V in place through the block tables instead of gathering them. Stores are
-the reference's.
+(csrc/paged_prefill_cpu.cpp; bf16 on a CPU with AMX: csrc/amx/paged_prefill_amx.cpp, amx.py); all read K/V in place
+through the block tables instead of gathering them. Stores are the reference's.
 
 `get_backend` hands this module out only after `cpu_build.load()` succeeded, so the torch.ops.batchgen kernels exist
 whenever paged_attention runs.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_build, reference
+from . import amx, cpu_build, reference
 from .metadata import AttentionMetadata, kernel_window
 from .reference import store_kv
 
@@ -46,12 +46,16 @@ def paged_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    scale: float, out: torch.Tensor, window: int | None = None) -> None:
     """The prefill rows of a step (those of sequences md.num_decodes onwards) into `out` ([T, Hq, D], contiguous):
     each attends causally to its sequence's whole cached context, prefix included (or to its last `window`
-    positions). The kernel takes q in the cache's dtype; any other pairing goes to the reference."""
+    positions). The kernel takes q in the cache's dtype; any other pairing goes to the reference. bf16 runs on AMX
+    tiles where amx.status() says they can."""
     if q.dtype != k_cache.dtype:
         reference.paged_prefills(q, k_cache, v_cache, md, scale, out, window)
         return
-    torch.ops.batchgen.paged_prefill_(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                                      md.num_decodes, scale, kernel_window(window), out)
+    kernel = torch.ops.batchgen.paged_prefill_
+    if q.dtype == torch.bfloat16 and amx.available():
+        kernel = torch.ops.batchgen.paged_prefill_amx_
+    kernel(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.num_decodes, scale,
+           kernel_window(window), out)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,

@@ -10,6 +10,9 @@ one warning and `load()` returns False: callers fall back to the torch reference
 
 Next to the library, a manifest written last records its size and sha256; a library whose manifest is missing or
 does not match (a truncated file: loading one kills the process with SIGBUS) is built again, never loaded.
+
+The same machinery builds the AMX library (amx.py: its own sources and flags, `LibrarySpec`), which stays out of the
+main one so that nothing the main library holds needs more than the CPU it was built on.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +45,19 @@ MANIFEST_NAME = "manifest.json"
 # BATCHGEN_CPU_MARCH replaces -march=native: x86-64-v3 builds what an AVX2-only CPU gets (tests, measurements).
 FLAGS = ["-O3", f"-march={os.environ.get('BATCHGEN_CPU_MARCH') or 'native'}", "-fno-math-errno", "-std=c++17",
          "-fPIC", "-shared", "-fopenmp"]
+
+
+@dataclass(frozen=True)
+class LibrarySpec:
+    """One shared library: its file name, the sources compiled into it, the headers they include (part of its cache
+    key) and the flags it adds to FLAGS."""
+    name: str
+    sources: tuple[Path, ...]
+    headers: tuple[Path, ...]
+    flags: tuple[str, ...] = ()
+
+
+MAIN = LibrarySpec(LIBRARY_NAME, tuple(SOURCES), tuple(HEADERS))
 
 
 def cache_dir() -> Path:
@@ -65,26 +82,26 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
-def _command(compiler: str, output: Path) -> list[str]:
+def _command(compiler: str, output: Path, spec: LibrarySpec = MAIN) -> list[str]:
     from torch.utils import cpp_extension
 
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     lib_dirs = cpp_extension.library_paths()
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return [compiler, *FLAGS, abi, *includes, *map(str, SOURCES), "-o", str(output),
+    return [compiler, *FLAGS, *spec.flags, abi, *includes, *map(str, spec.sources), "-o", str(output),
             *[f"-L{path}" for path in lib_dirs], *[f"-Wl,-rpath,{path}" for path in lib_dirs], "-lc10", "-ltorch_cpu"]
 
 
-def library_path(compiler: str) -> Path:
+def library_path(compiler: str, spec: LibrarySpec = MAIN) -> Path:
     """The cached library's path for this source, torch, compiler, flags and CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS), torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
-                 compiler.encode(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
-                 sys.platform.encode()):
+    for part in (*(source.read_bytes() for source in spec.sources + spec.headers), torch.__version__.encode(),
+                 str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), compiler.encode(), version.encode(),
+                 " ".join(FLAGS + list(spec.flags)).encode(), _cpu_flags().encode(), sys.platform.encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / key.hexdigest()[:20] / LIBRARY_NAME
+    return cache_dir() / key.hexdigest()[:20] / spec.name
 
 
 def _digest(path: Path) -> dict:
@@ -135,7 +152,7 @@ def _make_dir(directory: Path) -> None:
                            f"({exc.strerror or exc}); set BATCHGEN_CACHE_DIR to a writable directory") from None
 
 
-def build(compiler: str, target: Path) -> float:
+def build(compiler: str, target: Path, spec: LibrarySpec = MAIN) -> float:
     """Compile into a temporary file next to `target` and rename it into place (concurrent builders cannot see a
     half-written library), then write its manifest. Returns the seconds it took."""
     _make_dir(target.parent)
@@ -143,7 +160,7 @@ def build(compiler: str, target: Path) -> float:
     fd, partial = tempfile.mkstemp(suffix=".so", prefix=".building-", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run(_command(compiler, Path(partial)), capture_output=True, text=True)
+        result = subprocess.run(_command(compiler, Path(partial), spec), capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed: {result.stderr.strip()[-2000:]}")
         digest = _digest(Path(partial))
@@ -166,27 +183,32 @@ def _write_atomically(path: Path, text: str) -> None:
             os.unlink(partial)
 
 
+def build_and_load(spec: LibrarySpec) -> None:
+    """Build `spec` unless the cache holds it intact, and load it into this process; raises what went wrong."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
+    target = library_path(compiler, spec)
+    problem = cached_problem(target) if os.path.lexists(target) else "not built yet"
+    if problem is None:
+        logger.debug("CPU kernels: using %s", target)
+    else:
+        if os.path.lexists(target):  # without a manifest: an earlier version's build, no warning needed
+            damaged = os.path.lexists(target.with_name(MANIFEST_NAME))
+            (logger.warning if damaged else logger.info)(
+                "CPU kernels: not loading the cached %s: %s; building it again", target, problem)
+        seconds = build(compiler, target, spec)
+        logger.info("CPU kernels: built %s in %.1f s (cached for later runs)", target, seconds)
+    torch.ops.load_library(str(target))
+
+
 @functools.lru_cache(maxsize=None)
 def load() -> bool:
     """Build (once per machine) and load the kernels into this process; False, after one warning, if impossible."""
     if os.environ.get("BATCHGEN_NO_CPU_KERNELS"):
         return False
     try:
-        compiler = _compiler()
-        if compiler is None:
-            raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
-        target = library_path(compiler)
-        problem = cached_problem(target) if os.path.lexists(target) else "not built yet"
-        if problem is None:
-            logger.debug("CPU kernels: using %s", target)
-        else:
-            if os.path.lexists(target):  # without a manifest: an earlier version's build, no warning needed
-                damaged = os.path.lexists(target.with_name(MANIFEST_NAME))
-                (logger.warning if damaged else logger.info)(
-                    "CPU kernels: not loading the cached %s: %s; building it again", target, problem)
-            seconds = build(compiler, target)
-            logger.info("CPU kernels: built %s in %.1f s (cached for later runs)", target, seconds)
-        torch.ops.load_library(str(target))
+        build_and_load(MAIN)
         _register_fake()
     except Exception as exc:  # noqa: BLE001 -- the torch reference computes the same thing, only slower
         logger.warning("CPU kernels unavailable, using torch ops instead: %s: %s",

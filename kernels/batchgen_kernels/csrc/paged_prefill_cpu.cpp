@@ -21,6 +21,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "prefill_common.h"
 #include "vec16.h"
 
 #include <immintrin.h>
@@ -36,8 +37,10 @@
 
 namespace {
 
-constexpr int64_t kRows = 32;  // query positions attended together
-constexpr int64_t kKeys = 64;  // keys per tile: kKeys / 16 vectors of scores per query row
+using batchgen_prefill::Item;
+using batchgen_prefill::window_start;
+constexpr int64_t kRows = batchgen_prefill::kTileRows;  // query positions attended together
+constexpr int64_t kKeys = batchgen_prefill::kTileKeys;  // keys per tile
 constexpr int kVecs = kKeys / 16;
 constexpr int64_t kPrefetch = 8;  // keys ahead whose K/V rows pack() requests early
 
@@ -61,28 +64,15 @@ inline float as_float<c10::BFloat16>(c10::BFloat16 x) {  // the top half of an f
   return f;
 }
 
-// The first position the query at `pos` sees: the start of its window (window > 0), else 0.
-inline int64_t window_start(int64_t pos, int64_t window) {
-  return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0;
-}
-
-struct Item {
-  int32_t seq, head;
-  int32_t row_begin, row_end;  // the item's query rows, counted within the sequence's new tokens
-  int64_t cost;                // score elements it computes (to hand out the longest first)
-};
-
 struct Scratch {  // one per thread; the packed K/V grow to the longest key range an item of the thread needs
-  std::vector<float> q, kt, v, s, acc, run_max;
-  std::vector<float> run_sum;  // 16 lanes per row, added up once at the end (not once per tile)
+  std::vector<float> q, kt, v, s, acc;
   // The bf16 dot-product path's operands, two bf16 values per 32-bit word: the query and keys in pairs of dims,
   // the values and probabilities in pairs of keys.
   std::vector<uint32_t> q_pairs, kt_pairs, v_pairs, p_pairs;
-  std::vector<float> tile_max, correction;  // per row, padded to a multiple of 16 rows (vector exp)
+  batchgen_prefill::SoftmaxBuffers softmax;
   Scratch(int64_t rows, int64_t dim, int64_t padded_dim)
-      : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), run_max((rows + 15) / 16 * 16),
-        run_sum(rows * 16), q_pairs(rows * dim / 2), p_pairs(rows * kKeys / 2), tile_max(run_max.size()),
-        correction(run_max.size()) {}
+      : q(rows * dim), s(rows * kKeys), acc(rows * padded_dim), q_pairs(rows * dim / 2), p_pairs(rows * kKeys / 2),
+        softmax(rows) {}
 };
 
 // s[r][0:kKeys] = q[r] . keys, for R rows at a time; kt holds the tile's keys transposed, [dim][kKeys].
@@ -281,14 +271,6 @@ struct Prefill {
     }
   }
 
-  void run(const Item& item, Scratch& w) const {
-    const int64_t seq = item.seq, head = item.head;
-    const int64_t q_len = starts[seq + 1] - starts[seq], prefix = lens[seq] - q_len;
-    const int64_t base = window_start(prefix + item.row_begin, window);
-    pack(seq, head, base, prefix + item.row_end, w);
-    for (int64_t row = item.row_begin; row < item.row_end; row += kRows) attend(seq, head, row, base, w);
-  }
-
   // The query tile of up to kRows positions starting at `first_row` (within the sequence's new tokens), all `group`
   // heads of kv head `head`, against the keys packed from position `base` on.
   void attend(int64_t seq, int64_t head, int64_t first_row, int64_t base, Scratch& w) const {
@@ -306,18 +288,11 @@ struct Prefill {
         float* dst = w.q.data() + (r * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = as_float(src[d]) * scale;
       }
-    std::fill(w.acc.begin(), w.acc.begin() + rows * padded_dim, 0.0f);
-    // Not -inf: a row may see no key of a tile (one before its window), and then its correction exp(max - max) must
-    // be 1, not NaN. The first tile a row sees still scales its zeros by exp16's floor, as from -inf.
-    std::fill(w.run_max.begin(), w.run_max.begin() + rows, std::numeric_limits<float>::lowest());
-    std::fill(w.run_sum.begin(), w.run_sum.begin() + rows * 16, 0.0f);
-
-    // Packed keys [first, key_end) are visible to some row of the tile: `first` is the packed tile that holds the
-    // first row's window start; below it nothing is read.
-    const int64_t key_end = first_pos + positions - base;
-    const int64_t first = (window_start(first_pos, window) - base) / kKeys * kKeys;
-    for (int64_t start = first; start < key_end; start += kKeys) {
-      const int64_t n = std::min(kKeys, key_end - start);
+    const batchgen_prefill::Softmax softmax = w.softmax.over(w.acc.data(), rows, padded_dim);
+    softmax.reset();
+    const batchgen_prefill::KeyRange keys = batchgen_prefill::visible_keys(first_pos, positions, base, window);
+    for (int64_t start = keys.first; start < keys.end; start += kKeys) {
+      const int64_t n = std::min(kKeys, keys.end - start);
       const float* kt = dot() ? nullptr : w.kt.data() + start * dim;  // the tile's [dim][kKeys] block
       int64_t m = 0;
       if (dot()) {
@@ -333,52 +308,8 @@ struct Prefill {
           score_rows<kScoreRows>(w.q.data() + m * dim, kt, w.s.data() + m * kKeys, dim);
         for (; m < rows; ++m) score_rows<1>(w.q.data() + m * dim, kt, w.s.data() + m * kKeys, dim);
       }
-      const float score_scale = dot() ? scale : 1.0f;  // the dot path's query is not pre-scaled
-
-      const Vec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      const Vec16 minus_inf = Vec16{} - std::numeric_limits<float>::infinity();
-      // Online softmax over the tile: each row's new maximum first, then all rows' correction factors 16 at a time
-      // (one vector exp rather than a scalar one per row), then the probabilities.
-      // Row m sees the tile's keys [hidden, visible): its window's start, its own position.
-      const auto bounds = [&](int64_t m, float& hidden, float& visible) {
-        const int64_t pos = first_pos + m / group - base - start;
-        visible = static_cast<float>(std::clamp<int64_t>(pos + 1, 0, n));
-        hidden = window > 0 ? static_cast<float>(std::clamp<int64_t>(pos - window + 1, 0, n)) : 0.0f;
-      };
-      for (m = 0; m < rows; ++m) {
-        float* s = w.s.data() + m * kKeys;
-        float hidden, visible;
-        bounds(m, hidden, visible);
-        Vec16 high = minus_inf;
-        for (int c = 0; c < kVecs; ++c) {
-          const Vec16 key = lane + 16.0f * c;
-          const Vec16 x = (key < visible) & (key >= hidden) ? load16(s + 16 * c) * score_scale : minus_inf;
-          store16(s + 16 * c, x);
-          high = high > x ? high : x;
-        }
-        w.tile_max[m] = std::max(w.run_max[m], max_lanes(high));  // run_max itself where no key is visible
-      }
-      for (m = 0; m < rows; m += 16)
-        store16(w.correction.data() + m, exp16(load16(w.run_max.data() + m) - load16(w.tile_max.data() + m)));
-      for (m = 0; m < rows; ++m) {
-        float* s = w.s.data() + m * kKeys;
-        float hidden, visible;
-        bounds(m, hidden, visible);
-        const float tile_max = w.tile_max[m], correction = w.correction[m];
-        Vec16 total = {};
-        for (int c = 0; c < kVecs; ++c) {
-          const Vec16 key = lane + 16.0f * c;
-          const Vec16 p = (key < visible) & (key >= hidden) ? exp16(load16(s + 16 * c) - tile_max) : Vec16{};
-          store16(s + 16 * c, p);
-          total += p;
-        }
-        store16(w.run_sum.data() + m * 16, load16(w.run_sum.data() + m * 16) * correction + total);
-        w.run_max[m] = tile_max;
-        if (correction != 1.0f) {
-          float* a = w.acc.data() + m * padded_dim;
-          for (int64_t d = 0; d < padded_dim; ++d) a[d] *= correction;
-        }
-      }
+      // The dot path's query is not pre-scaled.
+      softmax.tile(w.s.data(), n, first_pos - base - start, group, window, dot() ? scale : 1.0f);
       if (dot()) {
 #if defined(__AVX512BF16__)
         for (m = 0; m < rows; ++m) {  // the probabilities as bf16, two keys per word
@@ -406,7 +337,7 @@ struct Prefill {
     const int64_t q_heads = kv_heads * group;
     for (int64_t m = 0; m < rows; ++m) {
       const int64_t token = starts[seq] + first_row + m / group, h = head * group + m % group;
-      const float inv = 1.0f / sum_lanes(load16(w.run_sum.data() + m * 16));  // >= 1: each row sees itself
+      const float inv = softmax.inverse_sum(m);
       const float* a = w.acc.data() + m * padded_dim;
       QT* o = out + (token * q_heads + h) * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<QT>(a[d] * inv);
@@ -425,81 +356,23 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
                           k_cache.size(1), kv_heads, dim, padded_dim, group,
                           tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
                           tables.stride(0), static_cast<float>(scale), window, out.data_ptr<QT>()};
-  // One item per (sequence, kv head), its query tiles split into up to `parts` items when there are too few to keep
-  // every thread busy (one long prompt): each part packs the keys up to its own last row.
-  const int64_t num_seqs = lens.size(0) - first_seq, threads_wanted = at::get_num_threads();
-  const int64_t pairs = std::max<int64_t>(num_seqs * kv_heads, 1);
-  const int64_t parts = std::max<int64_t>(1, (4 * threads_wanted + pairs - 1) / pairs);
-  std::vector<Item> items;
-  for (int64_t seq = first_seq; seq < lens.size(0); ++seq) {
-    const int64_t q_len = p.starts[seq + 1] - p.starts[seq], len = p.lens[seq];
-    const int64_t tiles = (q_len + kRows - 1) / kRows;
-    const int64_t split = std::max<int64_t>(1, std::min(parts, tiles)), per_part = (tiles + split - 1) / split;
-    for (int64_t tile = 0; tile < tiles; tile += per_part) {
-      const int64_t row_begin = tile * kRows, row_end = std::min(q_len, (tile + per_part) * kRows);
-      const int64_t prefix = len - q_len, keys = prefix + (row_begin + row_end) / 2;
-      const int64_t cost = (row_end - row_begin) * (window > 0 ? std::min(keys, window) : keys);
-      for (int64_t head = 0; head < kv_heads; ++head)
-        items.push_back({static_cast<int32_t>(seq), static_cast<int32_t>(head), static_cast<int32_t>(row_begin),
-                         static_cast<int32_t>(row_end), cost});
-    }
-  }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const std::vector<Item> items =
+      batchgen_prefill::prefill_items(p.lens, p.starts, first_seq, lens.size(0), kv_heads, window);
   const int64_t count = static_cast<int64_t>(items.size());
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(count, 1)));
 #pragma omp parallel num_threads(threads)
   {
     Scratch scratch(kRows * group, dim, padded_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; ++i) p.run(items[i], scratch);
-  }
-}
-
-// Everything the kernel will read is checked here, before the parallel region (an exception cannot leave one).
-void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                  int64_t first_seq, int64_t window, const at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_prefill: q must be [T, Hq, D] and the caches [N, bs, Hkv, D]");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_prefill: k_cache and v_cache differ");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill: the caches must be contiguous");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_prefill: CPU tensors only");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "paged_prefill: q's heads and head_dim do not match the caches'");
-  TORCH_CHECK(q.stride(2) == 1, "paged_prefill: q's last dimension must be contiguous");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "paged_prefill: out must be a contiguous tensor of q's shape and dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt,
-              "paged_prefill: block_tables, seq_lens and query_start_loc must be int32");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && seq_lens.is_contiguous() &&
-                  query_start_loc.is_contiguous(),
-              "paged_prefill: block_tables rows, seq_lens and query_start_loc must be contiguous");
-  const int64_t num_seqs = seq_lens.numel();
-  TORCH_CHECK(block_tables.size(0) == num_seqs && query_start_loc.numel() == num_seqs + 1,
-              "paged_prefill: one block-table row and one seq_len per sequence, num_seqs + 1 query starts");
-  TORCH_CHECK(first_seq >= 0 && first_seq <= num_seqs, "paged_prefill: first_seq out of range");
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), width = block_tables.size(1);
-  for (int64_t seq = first_seq; seq < num_seqs; ++seq) {
-    const int64_t q_len = starts[seq + 1] - starts[seq], len = lens[seq];
-    TORCH_CHECK(q_len >= 0 && starts[seq] >= 0 && starts[seq + 1] <= q.size(0),
-                "paged_prefill: query rows of sequence ", seq, " fall outside q");
-    TORCH_CHECK(q_len <= len && len <= width * block_size, "paged_prefill: sequence ", seq, " has ", q_len,
-                " new tokens and a context of ", len, " (block table: ", width, " blocks of ", block_size, ")");
-    for (int64_t b = window_start(len - q_len, window) / block_size; b < (len + block_size - 1) / block_size; ++b) {
-      const int64_t block = tables[seq * block_tables.stride(0) + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill: block id ", block, " out of range");
-    }
+    for (int64_t i = 0; i < count; ++i) batchgen_prefill::run_item(p, items[i], scratch);
   }
 }
 
 void paged_prefill_(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                     int64_t first_seq, double scale, int64_t window, at::Tensor out) {
-  check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, window, out);
+  batchgen_prefill::check_prefill_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq,
+                                         window, out);
   const auto q_type = q.scalar_type(), kv_type = k_cache.scalar_type();
   if (q_type == at::kFloat && kv_type == at::kFloat)
     prefill<float, float>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, window, out);
