@@ -26,20 +26,44 @@ USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMA
 def keep_step_memory() -> int:
     """Raise glibc's mmap threshold (and the trim threshold to twice it) for this process. Returns the threshold
     set, or 0 where nothing was changed: not glibc, or the user set malloc's variables themselves."""
-    if not sys.platform.startswith("linux") or any(name in os.environ for name in USER_SETTINGS) \
-            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+    mallopt = _mallopt()
+    if mallopt is None:
         return 0
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # musl, or no libc.so.6
-        return 0
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     for threshold in MMAP_THRESHOLDS:
         if mallopt(M_MMAP_THRESHOLD, threshold) == 1:
             mallopt(M_TRIM_THRESHOLD, 2 * threshold)
             logger.debug("malloc: mmap threshold %d MiB, trim threshold %d MiB", threshold >> 20, threshold >> 19)
             return threshold
     return 0
+
+
+def return_freed_memory_at_once() -> int:
+    """For a model's loading: a fixed, low mmap threshold (which also stops glibc raising it) and trim threshold,
+    so that each freed copy (a weight read before its int8 or packed form, a quantization's temporaries) goes back
+    to the kernel when freed instead of staying resident in the heap until the load ends: the peak RSS is then the
+    weights plus one layer's copies. keep_step_memory() raises both again once the model is loaded. Returns the
+    threshold set, or 0 where nothing was changed (as keep_step_memory)."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return 0
+    threshold = 128 << 10
+    if mallopt(M_MMAP_THRESHOLD, threshold) == 1:
+        mallopt(M_TRIM_THRESHOLD, threshold)
+        return threshold
+    return 0
+
+
+def _mallopt():
+    """glibc's mallopt, or None: not glibc, or the user set malloc's variables themselves."""
+    if not sys.platform.startswith("linux") or any(name in os.environ for name in USER_SETTINGS) \
+            or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return None
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # musl, or no libc.so.6
+        return None
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt
 
 
 def release_freed_memory() -> bool:

@@ -21,7 +21,7 @@ from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs
 from .errors import SettingError
 from .gpu_memory import profile_step
-from .host_malloc import keep_step_memory, release_freed_memory
+from .host_malloc import keep_step_memory, release_freed_memory, return_freed_memory_at_once
 from .kernel_warmup import compile_attention_kernels, uses_triton
 from .kv_pool import KVPoolSize, kv_cache_budget, size_kv_pool
 from .model_runner import ModelRunner
@@ -59,6 +59,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
     tokenizer = load_tokenizer(model_dir)
     logger.info("dtype %s", dtype.reason)
     pack = packing_supported(device, dtype.dtype)
+    if device.type == "cpu":  # each layer's plain copy back to the system as soon as it is freed (host_malloc.py)
+        return_freed_memory_at_once()
     model = load_model(model_dir, dtype.dtype, device, args.quantization, pack)
     if args.quantization == "int8":  # said at every run, not only in the README: outputs change
         logger.warning("quantization int8: weights and (on the CPU) activations in int8; on the default model this "
