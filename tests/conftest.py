@@ -11,6 +11,15 @@ import torch
 # network timeouts (test_model_sources.py unsets it where it fakes a download).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set by pytest-xdist in its workers (`-n 2`)
+if _WORKERS > 1:
+    # Each worker, and every process its tests start (the environment), gets its share of the cores: torch's default
+    # of one thread per core in each worker would oversubscribe them, and an oversubscribed parallel region waits on
+    # descheduled threads (a small op ~20x slower). test_cpu_prefill.py still runs the kernels at 2 and 3 threads.
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
+
 if not torch.cuda.is_available():
     # The Triton kernels run on CPU tensors through Triton's interpreter. Read when a kernel is decorated, so it is
     # set here, before any test module imports batchgen_kernels' Triton modules.

@@ -104,6 +104,7 @@ def gemma_run(tmp_path_factory):
     return prompts, pl.read_parquet(root / "out" / "*.parquet").sort("id")
 
 
+@pytest.mark.slow
 def test_gemma3_270m_greedy_matches_transformers(gemma_run):
     """Teacher-forced: transformers' argmax after each of our tokens is our next token, so our output is its greedy
     output; a row may first differ only at a near-tie, and at most 1 row in 20."""

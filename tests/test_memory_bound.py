@@ -45,6 +45,7 @@ def mid_llama(tmp_path_factory, default_model_dir) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", [{}, {"quantization": "int8"}], ids=["fp32", "int8"])
 def test_peak_memory_is_within_the_printed_bound(mid_llama, tmp_path, engine):
     inputs = write_input(tmp_path / "in.parquet", ["Tell me about the sea.", "Count to three."])

@@ -76,6 +76,7 @@ def local(tmp_path_factory) -> pl.DataFrame:
     return read(tmp / "out")
 
 
+@pytest.mark.slow
 def test_ray_output_equals_the_local_executors(tmp_path, local):
     done = run_cli(write_job(tmp_path, "out", {"batch_size": 4}))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -94,6 +95,7 @@ def test_ray_output_equals_the_local_executors(tmp_path, local):
     assert all(r["wall_s"] > 0 and r["engine_stats"]["num_steps"] > 0 for r in summary["replicas"].values())
 
 
+@pytest.mark.slow
 def test_a_replica_killed_mid_run_loses_and_repeats_nothing(tmp_path, local):
     job = write_job(tmp_path, "out", {"batch_size": 3}, rows_per_part=2)
     proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
@@ -109,6 +111,7 @@ def test_a_replica_killed_mid_run_loses_and_repeats_nothing(tmp_path, local):
     assert ours["replica"].max() >= 2  # the restarted replica took a new number
 
 
+@pytest.mark.slow
 def test_a_driver_killed_mid_run_resumes_with_every_row_once(tmp_path, local):
     job = write_job(tmp_path, "out", {"batch_size": 3}, rows_per_part=2)
     out = tmp_path / "out"
@@ -130,6 +133,7 @@ def test_a_driver_killed_mid_run_resumes_with_every_row_once(tmp_path, local):
     assert summary["resumed"] and summary["rows_this_run"] == local.height - committed.height
 
 
+@pytest.mark.slow
 def test_row_errors_are_the_local_runs(tmp_path):
     base = yaml.safe_load((ROOT / "jobs" / "bad_rows.yaml").read_text())
     local_job, ray_job = write_job(tmp_path, "local", None, base), write_job(tmp_path, "ray", {}, base)

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
@@ -310,6 +312,7 @@ def test_every_shell_and_yaml_block_is_marked_and_known():
         f"only {plan.runnable_blocks} runnable blocks in README.md (at least {MIN_RUNNABLE_BLOCKS} expected)"
 
 
+@pytest.mark.slow
 def test_the_marked_blocks_run(tmp_path):
     plan = plan_readme(README.read_text())
     assert not plan.problems, "\n".join(plan.problems)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import json, sys, threading, time
     from pathlib import Path
@@ -88,6 +90,7 @@ SCRIPT = textwrap.dedent('''
 MB = 2**20
 
 
+@pytest.mark.slow
 def test_million_rows_stream_in_flat_memory(tmp_path):
     n = 1_000_000
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(n), str(tmp_path)], capture_output=True, text=True,
