@@ -41,20 +41,19 @@ def test_free_queue_lru_order_and_eviction():
 def test_prefix_hit_shares_blocks_and_caps_at_last_token():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     a = make_seq(range(12))  # exactly 3 full blocks
-    hits, n = kv.get_computed_blocks(a)
-    assert n == 0
-    assert kv.allocate_slots(a, 12, hits)
+    hit = kv.get_computed_blocks(a)
+    assert hit.num_tokens == 0
+    assert kv.allocate_slots(a, 12, hit)
     assert len(a.blocks) == 3
     b = make_seq(list(range(12)) + [99, 98])
-    hits, n = kv.get_computed_blocks(b)
-    assert n == 12 and hits == a.blocks
-    assert kv.allocate_slots(b, 2, hits)
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_tokens == 12 and hit.blocks == a.blocks and hit.local_blocks == []  # one group: no local table
+    assert kv.allocate_slots(b, 2, hit)
     b.num_computed_tokens = 0
     assert [blk.ref_count for blk in a.blocks] == [2, 2, 2]
     # A prompt equal to a cached one still computes its last token: 2 of its 3 blocks hit.
     c = make_seq(range(12))
-    hits, n = kv.get_computed_blocks(c)
-    assert n == 8
+    assert kv.get_computed_blocks(c).num_tokens == 8
     kv.free(a)
     kv.free(b)
     assert kv.num_free_blocks == 10

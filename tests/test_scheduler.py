@@ -186,7 +186,7 @@ def test_prefix_hits_stop_before_the_positions_a_score_sequence_needs():
     manager.free(first)
     scored = make_seq(14, 1)
     scored.role, scored.score_from = SequenceRole.SCORE, 9
-    blocks, tokens = manager.get_computed_blocks(scored)
-    assert tokens == 8 and len(blocks) == 2  # not the block holding positions 9-11
+    hit = manager.get_computed_blocks(scored)
+    assert hit.num_tokens == 8 and len(hit.blocks) == 2  # not the block holding positions 9-11
     plain = make_seq(14, 1)
-    assert manager.get_computed_blocks(plain)[1] == 12
+    assert manager.get_computed_blocks(plain).num_tokens == 12

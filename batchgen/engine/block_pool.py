@@ -73,13 +73,18 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    """`reserve_null`: block 0 is the null block, handed out to no sequence and never freed: the placeholder a
+    sliding-window group's block tables hold where blocks left the window (the kernels never read it)."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null: bool = False) -> None:
         self.num_blocks = num_blocks
+        self.usable_blocks = num_blocks - reserve_null  # all but the null block
         self.enable_caching = enable_caching
         self.blocks: list[KVBlock] = []  # block i at index i, created when first handed out
         self.free_queue = FreeBlockQueue()  # blocks freed since, behind the never-used ones
         self.cached: dict[bytes, KVBlock] = {}
         self.peak_in_use = 0  # the most blocks held by sequences at once
+        self.null_block = self.get_new_blocks(1)[0] if reserve_null else None
 
     @property
     def num_touched(self) -> int:
@@ -90,8 +95,13 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.num_blocks - len(self.blocks) + self.free_queue.size
 
+    @property
+    def num_in_use(self) -> int:
+        """Blocks held by sequences now (the null block is none of them)."""
+        return self.usable_blocks - self.num_free_blocks
+
     def _note_use(self) -> None:
-        self.peak_in_use = max(self.peak_in_use, self.num_blocks - self.num_free_blocks)
+        self.peak_in_use = max(self.peak_in_use, self.num_in_use)
 
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
@@ -113,7 +123,7 @@ class BlockPool:
                     block.block_hash = None
             block.ref_count = 1
             blocks.append(block)
-        self.peak_in_use = max(self.peak_in_use, self.num_blocks - num_free + n)  # _note_use, inlined: hot
+        self.peak_in_use = max(self.peak_in_use, self.usable_blocks - num_free + n)  # _note_use, inlined: hot
         return blocks
 
     def touch(self, blocks: list[KVBlock]) -> None:

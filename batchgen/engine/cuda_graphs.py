@@ -10,6 +10,8 @@ replays its kernels with the arguments they were captured with, so the attention
 its max_seq_len is the engine's max_model_len, which only caps the decode kernel's number of splits (its grid);
 each sequence is cut into those splits by its real length, on the device, so a short context in a graph captured
 for a long one still uses them all (triton_decode.py). The block-table buffer is max_model_len / block_size wide.
+A model with a local KV group (sliding-window layers, sliding_window.py) has a second block-table buffer and slot
+row for that group, which the metadata's `local` view reads.
 
 This needs the Triton backend (the torch reference cannot skip a slot). `capture=False` runs the same padded path
 without graphs: that is how the CPU tests exercise it, under TRITON_INTERPRET=1.
@@ -55,7 +57,7 @@ class DecodeGraphRunner:
     graphs replayed from a one-time capture (`capture=True`), or eagerly (`capture=False`, any device)."""
 
     def __init__(self, model: torch.nn.Module, block_size: int, max_num_seqs: int, max_model_len: int,
-                 device: torch.device, capture: bool) -> None:
+                 device: torch.device, capture: bool, local_group: bool = False) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
@@ -67,12 +69,15 @@ class DecodeGraphRunner:
         rows, max_blocks = self.sizes[-1], -(-max_model_len // block_size)
 
         # Host staging, pinned on CUDA so that the copies to the device are asynchronous. Tokens, positions and
-        # slots share one int64 buffer (one copy per step); padding rows keep token 0, position 0, slot -1.
+        # slots (and the local group's slots) share one int64 buffer (one copy per step); padding rows keep token 0,
+        # position 0, slot -1. A table buffer holds [B, width] per step, the local group's a second one.
         pin = device.type == "cuda"
-        self._host_tokens = torch.zeros((3, rows), dtype=torch.int64, pin_memory=pin)
-        self._host_tokens[2] = -1
+        self.local_group = local_group
+        self._host_tokens = torch.zeros((4 if local_group else 3, rows), dtype=torch.int64, pin_memory=pin)
+        self._host_tokens[2:] = -1
         self._host_seq_lens = torch.zeros(rows, dtype=torch.int32, pin_memory=pin)
-        self._host_tables = torch.zeros(rows * max_blocks, dtype=torch.int32, pin_memory=pin)  # [B, width] per step
+        self._host_tables = torch.zeros(rows * max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._host_local_tables = torch.zeros_like(self._host_tables) if local_group else None
         self._tokens_np, self._seq_lens_np = self._host_tokens.numpy(), self._host_seq_lens.numpy()
         self._tables_np = self._host_tables.numpy()
         # The next step must not overwrite the pinned buffers before the device has read them.
@@ -81,8 +86,10 @@ class DecodeGraphRunner:
         # The device buffers every graph reads.
         self._tokens = self._host_tokens.to(device, copy=True)
         self.input_ids, self.positions, self.slot_mapping = self._tokens[0], self._tokens[1], self._tokens[2]
+        self.local_slot_mapping = self._tokens[3] if local_group else None
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((rows, max_blocks), dtype=torch.int32, device=device)
+        self.local_block_tables = torch.zeros_like(self.block_tables) if local_group else None
 
         self._metadata: dict[int, AttentionMetadata] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -122,18 +129,21 @@ class DecodeGraphRunner:
         """The fixed metadata of a `size`-row batch, over views of the static buffers. The host-side lengths are
         upper bounds: the real ones are on the device only."""
         if size not in self._metadata:
-            self._metadata[size] = AttentionMetadata.build(
+            metadata = AttentionMetadata.build(
                 [1] * size, [self.max_model_len] * size, self.block_tables[:size], self.slot_mapping[:size],
                 self.device, device_seq_lens=self.seq_lens[:size])
+            if self.local_group:
+                metadata.with_local_tables(self.local_block_tables[:size], self.local_slot_mapping[:size],
+                                           self.device)
+            self._metadata[size] = metadata
         return self._metadata[size]
 
     def _capture(self, size: int) -> None:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # Capture over padding rows only, so that the warm-up passes write nothing into the KV cache.
-        self.input_ids[:size] = 0
-        self.positions[:size] = 0
-        self.slot_mapping[:size] = -1
+        self._tokens[:2, :size] = 0
+        self._tokens[2:, :size] = -1  # the slots
         self.seq_lens[:size] = 0
         args = (self.input_ids[:size], self.positions[:size], self.metadata(size))
         stream = torch.cuda.Stream(self.device)
@@ -155,6 +165,8 @@ class DecodeGraphRunner:
         tokens, seq_lens = self._tokens_np, self._seq_lens_np
         width = max(seq.num_computed_tokens for seq, _ in batch) // bs + 1
         table = self._tables_np[: num * width].reshape(num, width)
+        local = self._host_local_tables
+        local_table = None if local is None else local.numpy()[: num * width].reshape(num, width)
         for row, (seq, _) in enumerate(batch):
             pos = seq.num_computed_tokens
             num_blocks = pos // bs + 1
@@ -164,13 +176,19 @@ class DecodeGraphRunner:
             tokens[2, row] = int(ids[num_blocks - 1]) * bs + pos % bs
             seq_lens[row] = pos + 1
             table[row, :num_blocks] = ids[:num_blocks]
+            if local is not None:
+                ids = seq.local_block_ids.array
+                tokens[3, row] = int(ids[num_blocks - 1]) * bs + pos % bs
+                local_table[row, :num_blocks] = ids[:num_blocks]
         tokens[:2, num:size] = 0
-        tokens[2, num:size] = -1
+        tokens[2:, num:size] = -1
         seq_lens[num:size] = 0
         # Padding rows' table entries are left stale: a context of 0 tokens reads none of them, and a real row
         # reads only its first num_blocks entries.
         self._tokens.copy_(self._host_tokens, non_blocking=True)
         self.seq_lens.copy_(self._host_seq_lens, non_blocking=True)
         self.block_tables[:num, :width].copy_(self._host_tables[: num * width].view(num, width), non_blocking=True)
+        if local is not None:
+            self.local_block_tables[:num, :width].copy_(local[: num * width].view(num, width), non_blocking=True)
         if self._copied is not None:
             self._copied.record()

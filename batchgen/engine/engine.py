@@ -35,7 +35,8 @@ class Engine:
         self.kv_capacity = setup.kv_pool.tokens
         self.max_model_len = setup.max_model_len
         self.context_limit = setup.context_limit  # which limit max_model_len is, e.g. "the KV cache holds N tokens"
-        self.kv_cache_manager = KVCacheManager(self.kv_pool.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.kv_pool.num_blocks, args.block_size, args.enable_prefix_caching,
+                                               self.kv_pool.local)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = setup.runner
         self.eos_token_ids = setup.eos_token_ids  # every token that ends generation, the model's own first
@@ -89,8 +90,8 @@ class Engine:
         if not out:
             raise RuntimeError("scheduler could not schedule any work")  # the admission checks rule this out
         self.last_step = out.stats()
-        self.runner.zero_blocks_below(self.kv_cache_manager.pool.num_touched)
-        self.runner.copy_blocks(self.kv_cache_manager.take_pending_copies())
+        self.runner.zero_blocks_below(*self.kv_cache_manager.num_touched())
+        self.runner.copy_blocks(*self.kv_cache_manager.take_pending_copies())
         step = self.runner.execute(out.num_scheduled_tokens)
         self.num_steps += 1
         for seq in self.scheduler.update_from_output(out, step, self.output.stop_reason):
@@ -133,9 +134,11 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters of the run so far, the dtype and the attention kernels and why, and the KV pool: its size and
-        why, the most blocks in use at once, and the blocks ever used (on the CPU, the part of the pool that is
-        resident)."""
+        why, the blocks in use now and at most at once, and the blocks ever used (on the CPU, the part of the pool
+        that is resident). With a local group (sliding-window layers) the block counts are the global pool's, the
+        `kv_local_` ones the local pool's (less its null block, but for blocks touched), and the bytes both pools'."""
         s, pool, kv = self.scheduler, self.kv_cache_manager.pool, self.kv_pool
+        local = self._local_kv_stats()
         return {
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
@@ -152,12 +155,30 @@ class Engine:
             "kv_pool_bytes": kv.bytes,
             "kv_pool_reason": kv.reason,
             "kv_block_bytes": kv.block_bytes,
+            "kv_blocks_in_use": pool.num_in_use,
             "kv_peak_blocks_used": pool.peak_in_use,
-            "kv_peak_bytes_used": pool.peak_in_use * kv.block_bytes,
+            # the pools' peaks added: what they held at once is at most this
+            "kv_peak_bytes_used": pool.peak_in_use * kv.block_bytes + local["peak_bytes"],
             "kv_blocks_touched": pool.num_touched,
-            "kv_bytes_touched": pool.num_touched * kv.block_bytes,
+            "kv_bytes_touched": pool.num_touched * kv.block_bytes + local["touched_bytes"],
+            "kv_local_window": local["window"],
+            "kv_local_pool_blocks": local["blocks"],
+            "kv_local_block_bytes": local["block_bytes"],
+            "kv_local_blocks_in_use": local["in_use"],
+            "kv_local_peak_blocks_used": local["peak"],
+            "kv_local_blocks_touched": local["touched"],
             "peak_memory_bytes": peak_rss_bytes(),
         }
+
+    def _local_kv_stats(self) -> dict:
+        size, local = self.kv_pool.local, self.kv_cache_manager.local
+        if local is None:
+            return dict(window=None, blocks=0, block_bytes=0, in_use=0, peak=0, touched=0, peak_bytes=0,
+                        touched_bytes=0)
+        pool = local.pool
+        return dict(window=size.window, blocks=size.num_blocks, block_bytes=size.block_bytes, in_use=pool.num_in_use,
+                    peak=pool.peak_in_use, touched=pool.num_touched, peak_bytes=pool.peak_in_use * size.block_bytes,
+                    touched_bytes=pool.num_touched * size.block_bytes)
 
     # -- admission checks ----------------------------------------------------------------------------------------------
 

@@ -7,8 +7,10 @@ import torch
 from batchgen_kernels import AttentionMetadata
 
 from .cuda_graphs import DecodeGraphRunner
+from .kv_pool import KVPoolSize
 from .sampler import Sampler, SamplingBatch
 from .sequence import Sequence, SequenceRole
+from .sliding_window import KVLayout
 from .step_output import StepOutput
 
 
@@ -17,32 +19,73 @@ from .step_output import StepOutput
 SCORE_CHUNK = 64
 
 
+class GroupCache:
+    """One KV group's cache: a single allocation [its layers, 2 (K, V), blocks, block_size, Hkv, D].
+
+    The torch attention reads whole blocks and masks the positions past a sequence's end, and a masked NaN from
+    uninitialised memory would still poison 0 * v, so a block is zeroed before its first use (zero_below); stale K/V
+    of an earlier sequence is finite, hence safe. On the CPU the cache is left unwritten until then, so its pages
+    become resident only as blocks are used."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        on_cpu = device.type == "cpu"
+        self.tensor = (torch.empty if on_cpu else torch.zeros)(shape, dtype=dtype, device=device)
+        self.num_zeroed = 0 if on_cpu else num_blocks  # blocks [0, this) hold finite values
+
+    def zero_below(self, num_blocks: int) -> None:
+        """Zero blocks [num_zeroed, num_blocks) of every layer: the blocks the pool handed out for the first time
+        (it hands out never-used blocks in id order)."""
+        if num_blocks > self.num_zeroed:
+            self.tensor[:, :, self.num_zeroed:num_blocks].zero_()
+            self.num_zeroed = num_blocks
+
+    def copy(self, copies: list[tuple[int, int]], device: torch.device) -> None:
+        """Copy whole blocks, every layer's K and V: (source id, destination id) pairs (copy on write). A layer at a
+        time: the gathered sources of a wave of forks, every layer at once, would be a wave of whole blocks
+        (hundreds of MiB) made and dropped in one step."""
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=device)
+            dst = torch.tensor([c[1] for c in copies], device=device)
+            for layer in self.tensor:
+                layer[:, dst] = layer[:, src]
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, model: torch.nn.Module, pool: KVPoolSize, layout: KVLayout, dtype: torch.dtype,
                  device: torch.device, eos_token_ids: list[int], attention_backend: str = "auto") -> None:
         self.model = model
-        self.block_size = block_size
+        self.block_size = pool.block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphRunner | None = None  # set at startup on CUDA: decode-only steps
-        # One allocation for every layer's K and V. The torch attention reads whole blocks and masks the positions
-        # past a sequence's end, and a masked NaN from uninitialised memory would still poison 0 * v, so a block is
-        # zeroed before its first use (zero_blocks_below); stale K/V of an earlier sequence is finite, hence safe.
-        # On the CPU the cache is left unwritten until then, so its pages become resident only as blocks are used.
-        shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        on_cpu = device.type == "cpu"
-        self.kv_cache = (torch.empty if on_cpu else torch.zeros)(shape, dtype=dtype, device=device)
-        self.num_zeroed_blocks = 0 if on_cpu else num_blocks  # blocks [0, this) hold finite values
-        model.bind_kv_cache([self.kv_cache[i, 0] for i in range(model.num_layers)],
-                            [self.kv_cache[i, 1] for i in range(model.num_layers)], attention_backend)
+        # The global group's cache (every layer's, without a local group) and the local group's.
+        self.kv = GroupCache(model, len(layout.global_layers), pool.num_blocks, pool.block_size, dtype, device)
+        self.local_kv = None if pool.local is None else GroupCache(
+            model, len(layout.local_layers), pool.local.num_blocks, pool.block_size, dtype, device)
+        caches = [None] * model.num_layers  # each layer's [2, blocks, block_size, Hkv, D]
+        for group, layers in ((self.kv, layout.global_layers), (self.local_kv, layout.local_layers)):
+            for index, layer in enumerate(layers):
+                caches[layer] = group.tensor[index]
+        model.bind_kv_cache([cache[0] for cache in caches], [cache[1] for cache in caches], attention_backend)
 
-    def zero_blocks_below(self, num_blocks: int) -> None:
-        """Zero blocks [num_zeroed_blocks, num_blocks) of every layer: the blocks the pool handed out for the first
-        time (it hands out never-used blocks in id order)."""
-        if num_blocks > self.num_zeroed_blocks:
-            self.kv_cache[:, :, self.num_zeroed_blocks:num_blocks].zero_()
-            self.num_zeroed_blocks = num_blocks
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The global group's cache (every layer's without a local group)."""
+        return self.kv.tensor
+
+    @property
+    def num_zeroed_blocks(self) -> int:
+        return self.kv.num_zeroed
+
+    def zero_blocks_below(self, num_blocks: int, num_local_blocks: int = 0) -> None:
+        """Zero the blocks the pools handed out for the first time: global blocks [.., num_blocks), local blocks
+        [.., num_local_blocks)."""
+        self.kv.zero_below(num_blocks)
+        if self.local_kv is not None:
+            self.local_kv.zero_below(num_local_blocks)
 
     def _prepare(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -52,6 +95,9 @@ class ModelRunner:
         input_ids: list[int] = []
         positions = np.empty(sum(query_lens), dtype=np.int64)
         slot_mapping = np.empty_like(positions)
+        local = self.local_kv is not None  # the local group's tables: 0 (its null block) where nothing is held
+        local_tables = np.zeros_like(block_tables) if local else None
+        local_slots = np.empty_like(positions) if local else None
         offset = 0
         for row, (seq, n) in enumerate(batch):
             start = seq.num_computed_tokens
@@ -61,20 +107,22 @@ class ModelRunner:
             pos = np.arange(start, start + n)
             positions[offset:offset + n] = pos
             slot_mapping[offset:offset + n] = ids[pos // bs].astype(np.int64) * bs + pos % bs
+            if local:
+                ids = seq.local_block_ids.array
+                local_tables[row, : len(ids)] = ids
+                local_slots[offset:offset + n] = ids[pos // bs].astype(np.int64) * bs + pos % bs
             offset += n
         metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, self.device)
+        if local:
+            metadata.with_local_tables(local_tables, local_slots, self.device)
         return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.from_numpy(positions).to(self.device, non_blocking=True), metadata)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks, every layer's K and V: (source id, destination id) pairs (copy on write). A layer
-        at a time: the gathered sources of a wave of forks, every layer at once, would be a wave of whole blocks
-        (hundreds of MiB) made and dropped in one step."""
-        if copies:
-            src = torch.tensor([c[0] for c in copies], device=self.device)
-            dst = torch.tensor([c[1] for c in copies], device=self.device)
-            for layer in self.kv_cache:
-                layer[:, dst] = layer[:, src]
+    def copy_blocks(self, copies: list[tuple[int, int]], local_copies: list[tuple[int, int]] = ()) -> None:
+        """The copies on write of the global group and of the local one: (source id, destination id) pairs."""
+        self.kv.copy(copies, self.device)
+        if local_copies:
+            self.local_kv.copy(local_copies, self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: dict[Sequence, int]) -> StepOutput:

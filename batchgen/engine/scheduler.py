@@ -105,9 +105,10 @@ class Scheduler:
                 seq = self.waiting[0]
                 if self.running and len(self.running) + self._seqs_when_running(seq) > self.max_num_seqs:
                     break
-                hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(seq)
+                hit = self.kv_cache_manager.get_computed_blocks(seq)
+                num_hit_tokens = hit.num_tokens
                 num_new = min(seq.num_tokens - num_hit_tokens, budget)
-                if not self.kv_cache_manager.allocate_slots(seq, num_new, hits):
+                if not self.kv_cache_manager.allocate_slots(seq, num_new, hit):
                     if self.running or not self.held:
                         break
                     self._release_held()  # nothing runs: only a held PREFIX's blocks can make room

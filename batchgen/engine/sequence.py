@@ -60,8 +60,12 @@ class BlockIds:
         other.count = self.count
         return other
 
-    def replace_last(self, block: KVBlock) -> None:
-        self._ids[self.count - 1] = block.block_id
+    def replace(self, index: int, block: KVBlock) -> None:
+        self._ids[index] = block.block_id
+
+    def fill(self, start: int, end: int, block: KVBlock) -> None:
+        """Entries start .. end - 1 name `block` (a sliding-window group's null block)."""
+        self._ids[start:end] = block.block_id
 
 
 @dataclass(eq=False)
@@ -80,6 +84,10 @@ class Sequence:
     blocks: list[KVBlock] = field(default_factory=list)
     block_ids: BlockIds = field(default_factory=BlockIds)  # the ids of `blocks`, kept in step by the cache manager
     block_hashes: list[bytes] = field(default_factory=list)
+    # The local KV group's blocks (a model with sliding-window layers beside global ones): one per block of
+    # `blocks`, its null block where the window has left (sliding_window.py); their ids, made by that group
+    local_blocks: list[KVBlock] = field(default_factory=list)
+    local_block_ids: BlockIds | None = None
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until then
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

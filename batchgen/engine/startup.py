@@ -25,6 +25,7 @@ from .host_malloc import keep_step_memory, release_freed_memory, return_freed_me
 from .kernel_warmup import compile_attention_kernels, uses_triton
 from .kv_pool import KVPoolSize, kv_cache_budget, size_kv_pool
 from .model_runner import ModelRunner
+from .sliding_window import KVLayout, LocalLayers, kv_layout
 
 logger = logging.getLogger("batchgen")
 
@@ -73,10 +74,11 @@ def set_up(args: EngineArgs) -> EngineSetup:
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     eos = eos_token_ids(model_dir, tokenizer)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
-    pool = kv_pool_size(model, args, dtype.dtype, device)
+    layout = kv_layout(model.sliding_windows())
+    pool = kv_pool_size(model, args, dtype.dtype, device, layout)
     max_model_len = context_length(args, model.max_model_len, pool.num_blocks)
     limit = context_limit(args, model.max_model_len, pool.num_blocks)
-    runner = ModelRunner(model, pool.num_blocks, args.block_size, dtype.dtype, device, eos, args.attention_backend)
+    runner = ModelRunner(model, pool, layout, dtype.dtype, device, eos, args.attention_backend)
     if device.type == "cpu":  # after the weights and the KV cache, which stay mapped apart
         keep_step_memory()
     if attention.name == "triton" and device.type == "cuda":  # the kernels chosen above
@@ -154,20 +156,35 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
+def kv_group_bytes(layout: KVLayout, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> tuple[int, LocalLayers | None]:
+    """K and V bytes per token of the global group's layers, and what sizing needs of the local group (None: one
+    group)."""
+    global_bytes = kv_bytes_per_token(len(layout.global_layers), num_kv_heads, head_dim, dtype)
+    if not layout.local_layers:
+        return global_bytes, None
+    return global_bytes, LocalLayers(kv_bytes_per_token(len(layout.local_layers), num_kv_heads, head_dim, dtype),
+                                     layout.window)
+
+
 def context_length(args: EngineArgs, model_max_len: int, num_blocks: int) -> int:
     """The engine's max_model_len: the shortest of what is asked for, the model's context, what the cache holds."""
     return min(args.max_model_len or model_max_len, model_max_len, num_blocks * args.block_size)
 
 
-def kv_pool_size(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, device: torch.device) -> KVPoolSize:
+def kv_pool_size(model: torch.nn.Module, args: EngineArgs, dtype: torch.dtype, device: torch.device,
+                 layout: KVLayout | None = None) -> KVPoolSize:
+    """The KV pools of `model` under `layout` (default: one group of every layer)."""
     m = model
-    bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
+    layout = layout or KVLayout(m.num_layers)
+    bytes_per_token, local = kv_group_bytes(layout, m.num_kv_heads, m.head_dim, dtype)
     budget, source = kv_cache_budget(args, device.type, lambda: profile_step(
         m, args.max_num_batched_tokens, args.max_num_seqs, args.block_size, args.attention_backend))
     context = min(args.max_model_len or m.max_model_len, m.max_model_len)
-    pool = size_kv_pool(budget, source, bytes_per_token, args.block_size, args.max_num_seqs, context)
+    pool = size_kv_pool(budget, source, bytes_per_token, args.block_size, args.max_num_seqs, context, local,
+                        args.max_num_batched_tokens)
     logger.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dims x %s), %d blocks of %d = %d tokens,"
-                " %.2f GiB, from %s", bytes_per_token, m.num_layers, m.num_kv_heads, m.head_dim, dtype,
+                " %.2f GiB, from %s", bytes_per_token, len(layout.global_layers), m.num_kv_heads, m.head_dim, dtype,
                 pool.num_blocks, args.block_size, pool.tokens, pool.bytes / 2**30, pool.reason)
     return pool
 
@@ -180,7 +197,8 @@ def capture_decode_graphs(model: torch.nn.Module, args: EngineArgs, max_model_le
         if attention.problem is None:  # else choose_attention has said it
             logger.warning("no CUDA graphs: they need the Triton attention kernels (attention: %s)", attention.reason)
         return None
-    graphs = DecodeGraphRunner(model, args.block_size, args.max_num_seqs, max_model_len, device, capture=True)
+    graphs = DecodeGraphRunner(model, args.block_size, args.max_num_seqs, max_model_len, device, capture=True,
+                               local_group=bool(kv_layout(model.sliding_windows()).local_layers))
     try:
         graphs.capture_all()
     except Exception as exc:  # noqa: BLE001 -- eager decoding gives the same tokens, only slower

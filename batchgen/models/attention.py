@@ -41,7 +41,10 @@ class Attention(nn.Module):
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] → [T, num_heads, head_dim]."""
         if self.k_cache is None:
             raise RuntimeError("no KV cache bound: call model.bind_kv_cache(k_caches, v_caches) before forward")
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         if self.sliding_window is None:
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
             return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale)
+        if md.local is not None:  # this layer's KV lives in the engine's local group, through its own block tables
+            md = md.local
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)

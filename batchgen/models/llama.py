@@ -207,6 +207,10 @@ class CausalLM(nn.Module):
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
             layer.self_attn.attn.bind_kv_cache(k_cache, v_cache, attention_backend)
 
+    def sliding_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: the whole context), which decides the engine's KV groups."""
+        return [layer.self_attn.attn.sliding_window for layer in self.model.layers]
+
     def use_elementwise(self, ops) -> None:
         """The elementwise implementation forward runs (batchgen_kernels.elementwise: torch ops or fused kernels)."""
         self.ops = ops

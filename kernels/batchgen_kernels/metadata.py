@@ -1,6 +1,7 @@
 """What every attention implementation receives about one step's flat, unpadded batch, and the one place it is built."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,10 @@ class AttentionMetadata:
     # The decode rows cut into length-sorted groups (see group_decodes); filled in once per metadata, so once per
     # step rather than once per layer.
     decode_groups: list[list[int]] | None = None
+    # The sliding-window layers' view of the same step when their KV lives in a group of its own (the engine's local
+    # KV group): its block_tables and slot_mapping are that group's, everything else is this. None: every layer
+    # reads these tables.
+    local: "AttentionMetadata | None" = None
 
     def __post_init__(self) -> None:
         if self.decode_groups is None:
@@ -37,6 +42,13 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def with_local_tables(self, block_tables: np.ndarray | torch.Tensor, slot_mapping: np.ndarray | torch.Tensor,
+                          device: torch.device | str) -> "AttentionMetadata":
+        """This metadata with `local` set: the same step over another KV group's block tables and slots."""
+        self.local = dataclasses.replace(self, block_tables=_to(block_tables, device),
+                                         slot_mapping=_to(slot_mapping, device), local=None)
+        return self
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: np.ndarray | torch.Tensor,

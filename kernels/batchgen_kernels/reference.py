@@ -20,11 +20,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence: [length, Hkv, D]."""
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = 0) -> torch.Tensor:
+    """One sequence's cached tokens from block `first_block` up to token `length`: [length - first_block x
+    block_size, Hkv, D]. Table entries before first_block are not read."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    return cache[block_table[first_block:num_blocks]].flatten(0, 1)[:length - first_block * block_size]
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -34,17 +35,35 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     batch, q_heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = (max_seq_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks]
+    if window is not None and max_seq_len > window:
+        width = min(num_blocks, window // block_size + 2)  # the most blocks a window's keys straddle
+        table, keys = _window_blocks(block_tables, seq_lens, window, block_size, width)
+    else:
+        table = block_tables[:, :num_blocks]
+        keys = torch.arange(num_blocks * block_size, device=q.device)[None, :]
     k = k_cache[table].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
     v = v_cache[table].flatten(1, 2).transpose(1, 2)
     qg = q.view(batch, kv_heads, q_heads // kv_heads, dim)  # the query heads that share each KV head
-    keys = torch.arange(k.shape[2], device=q.device)[None, :]
     visible = keys < seq_lens[:, None]
     if window is not None:
         visible &= keys >= seq_lens[:, None] - window
     out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None, None, :],
                                          scale=scale)
     return out.reshape(batch, q_heads, dim)
+
+
+def _window_blocks(block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int, block_size: int,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `width` table entries from the block of its window's first key (an engine may have freed the
+    blocks before it), never past its own last block (a shorter row repeats that one, masked), and the position
+    of every key they hold: ([B, width] block ids, [B, width x block_size] positions)."""
+    lens = seq_lens.long()
+    first = (lens - window).clamp(min=0) // block_size
+    last = ((lens + block_size - 1) // block_size - 1).clamp(min=0)
+    index = first[:, None] + torch.arange(width, device=lens.device)[None, :]
+    table = block_tables.gather(1, torch.minimum(index, last[:, None]))
+    keys = (first * block_size)[:, None] + torch.arange(width * block_size, device=lens.device)[None, :]
+    return table, keys
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -86,8 +105,10 @@ def _windowed_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     query's window start), and each query row is masked to its own window."""
     q_len, q_heads, dim = q.shape
     first = max(seq_len - q_len - window + 1, 0)  # the oldest key the first query sees
-    k = _gather(k_cache, block_table, seq_len)[first:].to(q.dtype)
-    v = _gather(v_cache, block_table, seq_len)[first:].to(q.dtype)
+    skip = first // k_cache.shape[1]  # the blocks wholly before it are not read (an engine may have freed them)
+    offset = first - skip * k_cache.shape[1]
+    k = _gather(k_cache, block_table, seq_len, skip)[offset:].to(q.dtype)
+    v = _gather(v_cache, block_table, seq_len, skip)[offset:].to(q.dtype)
     group = q_heads // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

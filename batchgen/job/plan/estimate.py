@@ -15,6 +15,7 @@ import numpy as np
 from batchgen.engine.block_pool import hash_block
 from batchgen.engine.errors import SettingError
 from batchgen.engine.kv_pool import KVPoolSize
+from batchgen.engine.sliding_window import hit_blocks
 from batchgen.machine import available_memory, machine_info, process_rss
 
 from . import memory
@@ -63,6 +64,7 @@ class Plan:
     weights: memory.WeightBytes
     kv_pool: KVPoolSize
     kv_blocks: int  # of the pool, the blocks the run makes resident: on the CPU those its rows use (kv_blocks_used)
+    kv_local_blocks: int  # the same of the local pool (sliding-window layers; 0 without): as many, and its null block
     context: int
     tokens: TokenStats
     memory_parts: dict[str, int]  # name -> bytes, in the order printed
@@ -112,10 +114,13 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
                                             context)
     kv_blocks = pool.num_blocks if device.type != "cpu" else kv_blocks_used(
         tokens, config.engine.block_size, inputs.total_rows, pool.num_blocks, config.engine.enable_prefix_caching)
+    # Each block the global pool hands out has its local counterpart (never-used ones first, as there).
+    kv_local_blocks = 0 if pool.local is None else min(pool.local.num_blocks, kv_blocks + 1)
+    local_bytes = 0 if pool.local is None else kv_local_blocks * pool.local.block_bytes
     parts = {"weights": weights.loaded, "mapped": weights.mapped,
              "packed": memory.packed_weight_bytes(shape, dtype)
              if packing_supported(device, dtype) and not config.engine.quantization else 0,
-             "kv": kv_blocks * pool.block_bytes, "activations": sum(activations.values())}
+             "kv": kv_blocks * pool.block_bytes + local_bytes, "activations": sum(activations.values())}
     if device.type == "cpu":
         parts["window"] = window_bytes(config, tokens, inputs.total_rows)
         if parts["packed"]:
@@ -129,8 +134,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     scale = inputs.total_rows / tokens.sampled if tokens.sampled else 0.0  # the sample's figures for the whole job
     time = estimate_time(archive, model_ref, machine(device), computed * scale, tokens.output_bound * scale,
                          str(choice.dtype).removeprefix("torch."))
-    return Plan(config, inputs, model_ref, model_dir, device, choice, shape, weights, pool, kv_blocks, context,
-                tokens, parts, step_tokens, activations, available, available_source,
+    return Plan(config, inputs, model_ref, model_dir, device, choice, shape, weights, pool, kv_blocks,
+                kv_local_blocks, context, tokens, parts, step_tokens, activations, available, available_source,
                 output_state, rows_left, time, cost_per_hour, problems, [warning] if warning else [], converted_now)
 
 
@@ -151,10 +156,10 @@ def size_kv_pool(config: JobConfig, shape: memory.ModelShape, weights: memory.We
     engine_args_for). On CUDA without a kv_cache_memory the engine profiles a step; the plan uses its activation
     estimate instead."""
     from batchgen.engine.kv_pool import kv_cache_budget, size_kv_pool as engine_size_kv_pool
-    from batchgen.engine.startup import kv_bytes_per_token
+    from batchgen.engine.startup import kv_group_bytes
 
     args = engine_args_for(config, rows_left)
-    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
+    per_token, local = kv_group_bytes(shape.kv_layout, shape.num_kv_heads, shape.head_dim, dtype)
 
     def estimate_cuda() -> tuple[int, int]:  # what the engine measures by profiling a step, estimated
         step = memory.activation_bytes(shape, dtype, args.max_num_batched_tokens,
@@ -164,7 +169,8 @@ def size_kv_pool(config: JobConfig, shape: memory.ModelShape, weights: memory.We
     budget, source = kv_cache_budget(args, device.type, estimate_cuda)
     context = min(args.max_model_len or shape.max_model_len, shape.max_model_len)
     try:
-        return engine_size_kv_pool(budget, source, per_token, args.block_size, args.max_num_seqs, context)
+        return engine_size_kv_pool(budget, source, per_token, args.block_size, args.max_num_seqs, context, local,
+                                   args.max_num_batched_tokens)
     except SettingError as exc:
         raise setting_error(exc, "engine") from None
 
@@ -376,6 +382,10 @@ def seqs_at_once(plan: Plan) -> tuple[int, int]:
     """(sequences of the median prompt + max_tokens length (a `choice` row's: + its longest candidate) the KV pool
     holds at once, that length)."""
     median = percentile(plan.tokens.longest, 0.5)
-    blocks = max(math.ceil(median / plan.config.engine.block_size), 1)
-    return plan.kv_pool.num_blocks // blocks, median
+    block_size, local = plan.config.engine.block_size, plan.kv_pool.local
+    blocks = max(math.ceil(median / block_size), 1)
+    fits = plan.kv_pool.num_blocks // blocks
+    if local is not None:  # a decoding sequence holds its window's blocks and the one its next token goes in
+        fits = min(fits, (local.num_blocks - 1) // min(blocks, hit_blocks(local.window, block_size) + 1))
+    return fits, median
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen.engine.sliding_window import KVLayout, kv_layout
 from batchgen.models.checkpoint_files import weight_files
 
 from ..keys import JobConfigError
@@ -53,13 +54,20 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     max_model_len: int
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full attention)
 
     @classmethod
     def of(cls, model) -> ModelShape:
         """From our (meta-device) model and its config."""
         config = model.config
         return cls(model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim,
-                   config.hidden_size, config.intermediate_size, config.vocab_size, model.max_model_len)
+                   config.hidden_size, config.intermediate_size, config.vocab_size, model.max_model_len,
+                   tuple(model.sliding_windows()))
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The engine's KV groups for this model (engine/sliding_window.py)."""
+        return kv_layout(self.layer_windows) if self.layer_windows else KVLayout(self.num_layers)
 
 
 @dataclass(frozen=True)

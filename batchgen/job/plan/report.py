@@ -107,7 +107,7 @@ def _memory(plan: Plan) -> list[str]:
     verdict = "exceeds it" if share > 1 else f"over {MEMORY_WARN_SHARE:.0%}: warning" \
         if share > MEMORY_WARN_SHARE else "ok"
     what = "peak RSS" if plan.device.type == "cpu" else "peak device memory"
-    size, kv = plan.dtype.name, plan.kv_pool
+    size, kv, layout = plan.dtype.name, plan.kv_pool, plan.shape.kv_layout
     explain = {
         "weights": f"{w.parameters:,} parameters, {'/'.join(w.checkpoint_dtypes)} in {w.files} safetensors "
                    f"file(s) (headers), as {size}" + (", the Linear layers and LM head as int8"
@@ -115,8 +115,10 @@ def _memory(plan: Plan) -> list[str]:
         "mapped": "checkpoint pages resident beside the fused q/k/v and gate/up (or converted) copies",
         "packed": "the matmul weights packed for oneDNN, beside the plain ones while they are packed",
         "kv": f"{plan.kv_blocks:,} of {kv.num_blocks:,} blocks x {e.block_size} tokens x {kv.bytes_per_token:,} B "
-              f"(2 x {plan.shape.num_layers} layers x {plan.shape.num_kv_heads} kv heads x {plan.shape.head_dim} "
-              f"x {size}); the pool from {kv.reason}"
+              f"(2 x {len(layout.global_layers)} layers x {plan.shape.num_kv_heads} kv heads x {plan.shape.head_dim} "
+              f"x {size})" + (f" + {plan.kv_local_blocks:,} of {kv.local.num_blocks:,} local blocks x "
+                              f"{kv.local.bytes_per_token:,} B ({len(layout.local_layers)} sliding-window layers: "
+                              f"only their window's blocks)" if kv.local else "") + f"; the pool from {kv.reason}"
               + ("; resident: the rows' blocks (prompt + max_tokens, less prefix hits"
                  + ("; a choice row: its prompt's and each candidate's own" if plan.tokens.scored else "") + ")"
                  if plan.device.type == "cpu" else ""),
