@@ -138,3 +138,13 @@ def test_bad_fixed_length_and_model_options_exit_2(tmp_path, tiny_chat_model):
                         (["--quantization", "int8-weight-only", "--dtype", "float32"], "bfloat16")]:
         result, _ = bench(tmp_path, *args)
         assert result.exit_code == 2 and words in result.output, (args, result.output)
+
+
+def test_a_slow_matmul_ceiling_is_timed_twice(monkeypatch):
+    """bf16 without native bf16 runs a 2048 matmul in about a minute: the ceiling then takes 2 timings, not 5."""
+    from batchgen.bench import ceiling
+
+    monkeypatch.setattr(ceiling, "SLOW_MATMUL_S", 0.0)
+    assert ceiling.matmul_flops(64, reps=5)["reps"] == 2
+    monkeypatch.setattr(ceiling, "SLOW_MATMUL_S", 1e9)
+    assert ceiling.matmul_flops(64, reps=5)["reps"] == 5

@@ -24,7 +24,7 @@ from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
 from batchgen.engine.errors import SettingError
 from batchgen.job import load_job
 from batchgen.job.plan.estimate import make_plan
-from batchgen.job.plan.precision_advice import advise_precision
+from batchgen.job.plan.precision_advice import advise_precision, label
 from batchgen.machine import machine_info
 from batchgen.models.quantization import Int8Linear, quantize_weight
 from test_plan import tiny_chat_model, tiny_job  # noqa: F401 (fixtures)
@@ -115,12 +115,13 @@ def test_roofline_times_each_quantization_and_the_plan_names_the_fastest(tiny_ch
     archive = tmp_path / "archive.jsonl"
     config = RooflineConfig(model=str(tiny_chat_model), dtypes=("float32", "bfloat16"),
                             quantizations=(None, "int8-weight-only"), batches=(1, 4), contexts=(16,),
-                            prefill_seqs=1, prefill_len=8, warmup=0, reps=1, bandwidth_bytes=2**20, matmul_n=64,
+                            prefill_seqs=0, prefill_len=0, warmup=0, reps=1, bandwidth_bytes=2**20, matmul_n=64,
                             out_dir=str(tmp_path / "out"), archive=str(archive))
     record = run_roofline(config, log=lambda line: None)
     variants = {(case["dtype"], case["quantization"]) for case in record["decode"]}
     assert variants == {("float32", None), ("bfloat16", None), ("bfloat16", "int8-weight-only")}
     assert set(record["models"]) == {"float32", "bfloat16", "bfloat16+int8-weight-only"}
+    assert all(entry["skipped"] == "not asked for (--roofline-prefill none)" for entry in record["prefill"])
     [skipped] = record["skipped_variants"]
     assert (skipped["dtype"], skipped["quantization"]) == ("float32", "int8-weight-only")
     assert "needs bfloat16" in skipped["skipped"]
@@ -130,28 +131,32 @@ def test_roofline_times_each_quantization_and_the_plan_names_the_fastest(tiny_ch
     assert "bf16 int8 weight-only" in table and "fp32 int8 weight-only: skipped" in table
 
     plan = make_plan(load_job(tiny_job), archive=archive)  # this machine, the record's
-    batch = int(re.match(r"precision: decode step at batch (\d+) ", plan.precision[0]).group(1))
+    batch = int(re.match(r"precision: at the job's decode batch \(~\d+; batch (\d+) measured\)",
+                         plan.precision[0]).group(1))
     times = {(c["dtype"], c["quantization"]): c["best_s"] for c in record["decode"] if c["batch"] == batch}
     fastest = min(times, key=times.get)
+    assert plan.precision[1].startswith(f"  decode step {label(fastest)} ")
     if fastest != ("float32", None) and times[("float32", None)] / times[fastest] >= 1.05:
-        assert plan.precision[1].startswith("  faster than the job's fp32: ")
+        assert plan.precision[3].startswith("  faster than the job's fp32: ")
     else:
-        assert plan.precision[1] == "  the job's fp32 is the fastest measured at this batch"
-    assert plan.precision[2].startswith("  int8-weight-only vs bf16: ")
+        assert plan.precision[3] == "  the job's fp32 is the fastest measured"
+    assert plan.precision[4].startswith("  int8-weight-only vs bf16, decode step: ")
     printed = CliRunner().invoke(main, ["plan", str(tiny_job), "--archive", str(archive)])
     assert printed.exit_code == 0 and plan.precision[0] in printed.output
 
 
-def _record(cases: list[tuple], cpu: dict) -> dict:
+def _record(cases: list[tuple], cpu: dict, prefill: dict | None = None) -> dict:
     return {"kind": "roofline", "date": "2026-12-02T00:00:00", "model": "m", "machine": cpu,
-            "decode": [{"dtype": d, "quantization": q, "batch": b, "context": c, "best_s": t} for d, q, b, c, t in cases]}
+            "decode": [{"dtype": d, "quantization": q, "batch": b, "context": c, "best_s": t} for d, q, b, c, t in cases],
+            "prefill": [{"dtype": d, "quantization": q, "tokens": 100, "best_s": t} for (d, q), t in (prefill or {}).items()]}
 
 
 def test_precision_advice_from_a_record(tmp_path):
-    """The advice's arithmetic on a record written by hand: times chosen so that int8 weight-only wins at small
-    batches and loses at 32."""
+    """The advice's arithmetic on records written by hand: int8 weight-only decodes faster at small batches and
+    slower at 32; with prefill timed, a prompt-heavy job is faster unquantized."""
     info = machine_info()
     cpu = {"cpu": info["cpu"], "cores": info["cores"], "cpu_flags": info["cpu_flags"]}
+    device = {"type": "cpu", **cpu}
     archive = tmp_path / "a.jsonl"
     cases = [("bfloat16", None, 1, 128, 0.010), ("bfloat16", None, 1, 1024, 0.012),
              ("bfloat16", "int8-weight-only", 1, 128, 0.006), ("bfloat16", "int8-weight-only", 1, 1024, 0.008),
@@ -159,14 +164,26 @@ def test_precision_advice_from_a_record(tmp_path):
     elsewhere = {**_record([(d, q, b, c, 1.0 if q else 0.001) for d, q, b, c, _ in cases],
                            {**cpu, "cores": cpu["cores"] + 64}), "date": "2026-12-03T00:00:00"}  # later, another CPU
     archive.write_text(json.dumps(_record(cases, cpu)) + "\n" + json.dumps(elsewhere) + "\n")
-    device = {"type": "cpu", **cpu}
-    small = advise_precision(archive, device, "bfloat16", None, decode_batch=3)
-    assert small[0].startswith("precision: decode step at batch 1 (the job's decode batch is ~3)")
-    ratio = (0.010 / 0.006 * 0.012 / 0.008) ** 0.5  # geometric mean over the two contexts
-    assert f"bf16 int8 weight-only ({ratio:.2f}x per decode step" in small[1]
-    assert small[2] == f"  int8-weight-only vs bf16: {ratio:.2f}x at batch 1, 0.67x at batch 32: faster at batch 1"
-    large = advise_precision(archive, device, "bfloat16", None, decode_batch=100)
-    assert "batch 32" in large[0] and large[1] == "  the job's bf16 is the fastest measured at this batch"
-    assert advise_precision(archive, {**device, "cores": 999}, "bfloat16", None, 8) == []
-    asked = advise_precision(archive, {**device, "cores": 999}, "bfloat16", "int8", 8)
+
+    small = advise_precision(archive, device, "bfloat16", None, decode_batch=3, prompt_tokens=0, output_tokens=300)
+    assert small[0].startswith("precision: at the job's decode batch (~3; batch 1 measured)")
+    assert small[1] == "  decode step bf16 int8 weight-only 7.0 ms, bf16 11.0 ms"  # the mean over the contexts
+    assert small[2] == "  the job's decode (prefill not timed), estimated: bf16 int8 weight-only 2 s, bf16 3 s"
+    assert small[3].startswith(f"  faster than the job's bf16: bf16 int8 weight-only ({11 / 7:.2f}x;")
+    ratio = (0.010 / 0.006 * 0.012 / 0.008) ** 0.5  # decode steps: the geometric mean over the two contexts
+    assert small[4] == (f"  int8-weight-only vs bf16, decode step: {ratio:.2f}x at batch 1, 0.67x at batch 32: "
+                        f"faster at batch 1")
+    large = advise_precision(archive, device, "bfloat16", None, 100, 0, 300)
+    assert "batch 32 measured" in large[0] and large[3] == "  the job's bf16 is the fastest measured"
+
+    timed = tmp_path / "timed.jsonl"  # prefill timed: 1 ms a prompt token unquantized, 3 ms with int8 weight-only
+    timed.write_text(json.dumps(_record(cases, cpu, {("bfloat16", None): 0.1,
+                                                     ("bfloat16", "int8-weight-only"): 0.3})) + "\n")
+    prompt_heavy = advise_precision(timed, device, "bfloat16", None, 1, prompt_tokens=1000, output_tokens=300)
+    assert prompt_heavy[2] == "  prefill bf16 1.00 ms, bf16 int8 weight-only 3.00 ms per prompt token"
+    assert prompt_heavy[3] == "  the job's generation, estimated: bf16 4 s, bf16 int8 weight-only 5 s"
+    assert prompt_heavy[4] == "  the job's bf16 is the fastest measured"
+
+    assert advise_precision(archive, {**device, "cores": 999}, "bfloat16", None, 8, 0, 1) == []
+    asked = advise_precision(archive, {**device, "cores": 999}, "bfloat16", "int8", 8, 0, 1)
     assert len(asked) == 1 and "--quantization none,int8-weight-only" in asked[0]

@@ -75,7 +75,7 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--roofline-contexts", default="128,1024", show_default=True, callback=_int_list,
               help="Decode context lengths for --roofline.")
 @click.option("--roofline-prefill", default="4x1024", show_default=True, metavar="SEQSxTOKENS",
-              help="The --roofline prefill step: SEQS fresh prompts of TOKENS tokens each.")
+              help="The --roofline prefill step: SEQS fresh prompts of TOKENS tokens each; none: no prefill step.")
 @click.option("--roofline-reps", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed steps per --roofline case (after 2 warm-up steps); the best is set against the floor.")
 def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: tuple[str, ...],
@@ -125,9 +125,9 @@ def bench_roofline(job: str | None, model: str | None, dtype: str | None, quanti
     from batchgen.bench.roofline_report import format_roofline
 
     try:
-        seqs, tokens = (int(part) for part in prefill.lower().split("x"))
+        seqs, tokens = (0, 0) if prefill.lower() == "none" else (int(part) for part in prefill.lower().split("x"))
     except ValueError:
-        fail(EXIT_JOB, f"--roofline-prefill must be SEQSxTOKENS such as 4x1024, got {prefill!r}")
+        fail(EXIT_JOB, f"--roofline-prefill must be SEQSxTOKENS such as 4x1024, or none, got {prefill!r}")
     try:
         if job and model:
             raise ValueError("--model: a JOB.yaml names its own model (its `model:` key); give one or the other")

@@ -32,7 +32,7 @@ class RooflineConfig:
     quantizations: tuple[str | None, ...] = (None,)  # each dtype with each (None: unquantized); the engine's names
     batches: tuple[int, ...] = (1, 8, 32, 64, 256)
     contexts: tuple[int, ...] = (128, 1024)
-    prefill_seqs: int = 4  # the prefill step: prefill_seqs fresh prompts of prefill_len tokens
+    prefill_seqs: int = 4  # the prefill step: prefill_seqs fresh prompts of prefill_len tokens (0: none)
     prefill_len: int = 1024
     warmup: int = 2
     reps: int = 5
@@ -57,7 +57,7 @@ class RooflineConfig:
             values = getattr(self, name)
             if not values or any(v < 1 for v in values):
                 raise ValueError(f"--roofline-{name} must be positive integers, got {values}")
-        for name, least in (("prefill_seqs", 1), ("prefill_len", 1), ("reps", 1), ("warmup", 0)):
+        for name, least in (("prefill_seqs", 0), ("prefill_len", 0), ("reps", 1), ("warmup", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}")
         if self.kv_cache_memory is not None:
@@ -123,7 +123,7 @@ def quantization_problem(quantization: str | None, dtype: str) -> str | None:
     from batchgen.engine.startup import check_quantization
 
     try:
-        check_quantization(quantization, DtypeChoice(getattr(torch, dtype), f"{dtype}: --dtype"), torch.device("cpu"))
+        check_quantization(quantization, DtypeChoice(getattr(torch, dtype), "bench --dtype"), torch.device("cpu"))
     except SettingError as exc:
         return str(exc)
     return None
@@ -187,7 +187,9 @@ def measure_dtype(config: RooflineConfig, dtype: str, quantization: str | None, 
                                "tokens": config.prefill_seqs * config.prefill_len, "kv_bytes": prefill_need}
     floor = prefill_floor(counts, config.prefill_seqs, config.prefill_len, bandwidth, flop_rate)
     prefill["floor"] = dataclasses.asdict(floor)
-    if config.prefill_len > setup.model.max_model_len:
+    if not config.prefill_seqs or not config.prefill_len:
+        prefill["skipped"] = "not asked for (--roofline-prefill none)"
+    elif config.prefill_len > setup.model.max_model_len:
         prefill["skipped"] = f"{config.prefill_len} tokens are past the model's {setup.model.max_model_len} positions"
     elif prefill_need > limit:
         prefill["skipped"] = f"needs {prefill_need / 2**30:.1f} GiB of KV cache; {limit_note}"

@@ -47,7 +47,7 @@ def format_roofline(record: dict[str, Any]) -> str:
     parts += [f"  {variant_label(v)}: skipped — {v['skipped']}" for v in record.get("skipped_variants", [])]
     parts.append("prefill step (fresh prompts, no cache hits):")
     for case in record["prefill"]:
-        name = f"  {variant_label(case)} {case['seqs']} x {case['seq_len']} tokens"
+        name = f"  {variant_label(case)}" + (f" {case['seqs']} x {case['seq_len']} tokens" if case["seqs"] else "")
         if "skipped" in case:
             parts.append(f"{name}: skipped — {case['skipped']}")
             continue

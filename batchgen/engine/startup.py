@@ -105,9 +105,10 @@ def check_quantization(quantization: str | None, dtype: DtypeChoice, device: tor
     """int8-weight-only on the CPU keeps the activations in the model's dtype, and its kernel has no fast fp32 path:
     refused there with fp32 (on other devices the weight is dequantized for each matmul, in any dtype)."""
     if quantization == "int8-weight-only" and device.type == "cpu" and dtype.dtype not in WEIGHT_ONLY_DTYPES:
-        raise SettingError("quantization", f"quantization int8-weight-only needs bfloat16 or float16 on the CPU, and "
-                                           f"the dtype is {dtype.reason}: set dtype: bfloat16 (its int8 kernel has "
-                                           f"no fast float32 path), or use quantization: int8")
+        name = str(dtype.dtype).removeprefix("torch.")
+        raise SettingError("quantization", f"quantization int8-weight-only needs bfloat16 or float16 on the CPU, not "
+                                           f"{name} ({dtype.reason}): set dtype: bfloat16 (its int8 kernel has no "
+                                           f"fast float32 path), or use quantization: int8")
 
 
 def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:

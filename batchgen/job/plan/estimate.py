@@ -141,7 +141,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
                 output_state, rows_left, time, cost_per_hour, problems, [warning] if warning else [], converted_now)
     decode_batch = min(config.engine.max_num_seqs, rows_left or inputs.total_rows, seqs_at_once(plan)[0])
     plan.precision = advise_precision(archive, machine(device), str(choice.dtype).removeprefix("torch."),
-                                      config.engine.quantization, max(decode_batch, 1))
+                                      config.engine.quantization, max(decode_batch, 1), computed * scale,
+                                      tokens.output_bound * scale)
     return plan
 
 
