@@ -10,8 +10,8 @@
     PYTHONPATH=$PWD:$PWD/kernels python scripts/quant_quality.py --dtype float32 bfloat16
 
 Each quantized engine is built as `quantization: int8` builds it (the loader quantizes layer by layer, before the CPU's
-weight packing); --variant tries the alternatives (no int8 LM head, weight-only int8 with bf16 activations) by
-setting their options in the loader's INT8_OPTIONS.
+weight packing); --variant tries the alternatives: `quantization: int8-weight-only` (int8 weights, bf16
+activations), and no int8 LM head (by setting the loader's INT8_OPTIONS).
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ from batchgen.models import loader
 from batchgen_kernels import AttentionMetadata
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = {"int8": {}, "int8-fp-lm-head": {"lm_head": False},
-            "int8-weight-only": {"activations": "weight_only"}}
+# name -> (the engine's quantization setting, the loader's INT8_OPTIONS changed from it)
+VARIANTS = {"int8": ("int8", {}), "int8-fp-lm-head": ("int8", {"lm_head": False}),
+            "int8-weight-only": ("int8-weight-only", {})}
 QUESTIONS = ["What is {topic}? Answer in one sentence.", "Give three facts about {topic}.",
              "Is it true that {topic} matters today? Answer yes or no, then explain briefly.",
              "Write a Python function that returns the sum of the squares of a list of numbers.",
@@ -109,8 +110,9 @@ def evaluate(dtype: str, variant: str | None, rows, windows, max_tokens: int) ->
     if variant is None:
         engine = Engine(EngineArgs(dtype=dtype, kv_cache_memory="3GiB"))
     else:  # the engine's own int8 load, with the variant's options in the loader's INT8_OPTIONS
-        with mock.patch.dict(loader.INT8_OPTIONS, VARIANTS[variant]):
-            engine = Engine(EngineArgs(dtype=dtype, kv_cache_memory="3GiB", quantization="int8"))
+        quantization, options = VARIANTS[variant]
+        with mock.patch.dict(loader.INT8_OPTIONS, options):
+            engine = Engine(EngineArgs(dtype=dtype, kv_cache_memory="3GiB", quantization=quantization))
     start = time.perf_counter()
     outputs = greedy(engine, rows, max_tokens)
     generate_s = time.perf_counter() - start

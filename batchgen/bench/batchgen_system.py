@@ -1,13 +1,16 @@
-"""batchgen itself: the Engine over the rows, sorted by token ids as `batchgen run` sorts them (`sort: prefix`)."""
+"""batchgen itself: the Engine over the rows, sorted by token ids as `batchgen run` sorts them (`sort: prefix`).
+With `startup_probe`, its start-up is first measured in a fresh process (startup_probe.py), as vLLM's is."""
 from __future__ import annotations
 
 import dataclasses
 import time
 
-from .system_types import BenchOptions, RowOutput, SystemRun, elapsed
+from .startup_probe import measure as measure_startup
+from .system_types import QUANTIZATION_LABELS, BenchOptions, RowOutput, SystemRun, elapsed
 
 
-def run(rows: list, options: BenchOptions, prefix_caching: bool, choice: list[str] | None = None) -> SystemRun:
+def run(rows: list, options: BenchOptions, prefix_caching: bool, choice: list[str] | None = None,
+        startup_probe: bool = False) -> SystemRun:
     """With `choice`: every row is a labeling row answered by exact choice scoring over those labels (greedy), and
     its output is the label's tokens then EOS, as an unconstrained greedy answer of exactly that label would be."""
     from batchgen.engine import Engine, Request, SamplingParams
@@ -17,13 +20,14 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool, choice: list[st
     if choice and any(row.kind != "labeling" for row in rows):
         return SystemRun.unavailable(name, "exact choice scoring answers labeling rows only (--workload labeling)")
     args = dataclasses.replace(options.engine_args, enable_prefix_caching=prefix_caching)
+    startup = measure_startup(args) if startup_probe else None
     started = time.monotonic()
     engine = Engine(args)
     load_s = elapsed(started)
 
     ordered = list(sort_windows(rows, window=len(rows) + 1, how="prefix"))  # the job source's sort, one window
     requests = [Request(row.id, row.token_ids, SamplingParams(max_tokens=row.max_tokens, temperature=0.0,
-                                                              choice=choice or []))
+                                                              ignore_eos=options.ignore_eos, choice=choice or []))
                 for row in ordered]
     started = time.monotonic()
     results = list(engine.generate(requests))
@@ -45,9 +49,12 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool, choice: list[st
     details = {"engine_args": dataclasses.asdict(args), "parameters": parameters,
                "dtype": str(engine.dtype).removeprefix("torch."),
                "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
-               "engine_stats": engine.stats()}
+               "quantization": QUANTIZATION_LABELS[args.quantization], "engine_stats": engine.stats()}
+    if startup is not None:
+        details["startup"] = startup
     if choice:
         details["label_token_ids"] = {label: engine.tokenizer.encode(label, add_special_tokens=False) + end
                                       for label in choice}
         details["mean_confidence"] = sum(max(p for _, p in r.choice_probs) for r in results) / len(results)
-    return SystemRun(name, True, load_s=load_s, wall_s=wall_s, rows=outputs, details=details)
+    return SystemRun(name, True, load_s=load_s, wall_s=wall_s, rows=outputs, details=details,
+                     startup_s=startup["startup_s"] if startup is not None else None)

@@ -54,6 +54,18 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--vllm-threads-bind", default="all", show_default=True, metavar="all|default|CPUS",
               help="VLLM_CPU_OMP_THREADS_BIND for the vLLM worker: all = every CPU this process may use (e.g. "
                    "0-1), default = vLLM's own (one core kept for its scheduler), or a CPU list such as 0-3.")
+@click.option("--model", default=None, metavar="MODEL",
+              help="The model of the synthetic workloads and of --roofline: a directory, a .gguf file or a named "
+                   "model [default: default]; the rows are tokenized with its tokenizer. A JOB.yaml names its own.")
+@click.option("--ignore-eos", is_flag=True,
+              help="Fixed length: every system generates each row's max_tokens, EOS or not (random weights serve).")
+@click.option("--max-tokens", type=int, default=None,
+              help="Every row's max_tokens [default: the workload's own, 32-256 for generation, 8 for labeling].")
+@click.option("--quantization", default=None, metavar="int8|int8-weight-only",
+              help="batchgen's engine quantization (int8: int8 weights and per-token int8 activations, W8A8; "
+                   "int8-weight-only: int8 weights, activations in the dtype); vLLM runs the same int8 weights as "
+                   "W8A8 and has no weight-only int8. With --roofline: a comma-separated list, 'none' for "
+                   "unquantized [default: none].")
 @click.option("--roofline", is_flag=True,
               help="Instead of the systems: time one engine decode step at each batch and context, and one "
                    "prefill step, against the machine's floor (memory bandwidth and matmul rate measured in the "
@@ -63,13 +75,14 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--roofline-contexts", default="128,1024", show_default=True, callback=_int_list,
               help="Decode context lengths for --roofline.")
 @click.option("--roofline-prefill", default="4x1024", show_default=True, metavar="SEQSxTOKENS",
-              help="The --roofline prefill step: SEQS fresh prompts of TOKENS tokens each.")
+              help="The --roofline prefill step: SEQS fresh prompts of TOKENS tokens each; none: no prefill step.")
 @click.option("--roofline-reps", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed steps per --roofline case (after 2 warm-up steps); the best is set against the floor.")
 def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: tuple[str, ...],
           hf_batch_sizes: tuple[int, ...], vllm_python: str | None, out_dir: str, archive: str, history: bool,
           max_num_seqs: int | None, kv_cache_memory: str | None, hf_continuous_time_limit: float,
-          max_tokens_scale: float, dtype: str | None, hf_dtype: str | None, vllm_threads_bind: str, roofline: bool,
+          max_tokens_scale: float, dtype: str | None, hf_dtype: str | None, vllm_threads_bind: str, model: str | None,
+          ignore_eos: bool, max_tokens: int | None, quantization: str | None, roofline: bool,
           roofline_batches: tuple[int, ...], roofline_contexts: tuple[int, ...], roofline_prefill: str,
           roofline_reps: int) -> None:
     """Benchmark batchgen against transformers (static and continuous batching) and vLLM on the same rows,
@@ -85,8 +98,8 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
         return
     logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
     if roofline:
-        bench_roofline(job, dtype, roofline_batches, roofline_contexts, roofline_prefill, roofline_reps,
-                       kv_cache_memory, seed, out_dir, archive)
+        bench_roofline(job, model, dtype, quantization, roofline_batches, roofline_contexts, roofline_prefill,
+                       roofline_reps, kv_cache_memory, seed, out_dir, archive)
         return
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # "Loading weights" bars, once per baseline
@@ -94,7 +107,8 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
                          hf_batch_sizes=hf_batch_sizes, vllm_python=vllm_python, out_dir=out_dir, archive=archive,
                          max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
                          max_tokens_scale=max_tokens_scale, hf_continuous_time_limit_s=hf_continuous_time_limit,
-                         dtype=dtype, hf_dtype=hf_dtype, vllm_threads_bind=vllm_threads_bind)
+                         dtype=dtype, hf_dtype=hf_dtype, vllm_threads_bind=vllm_threads_bind, model=model,
+                         ignore_eos=ignore_eos, max_tokens=max_tokens, quantization=quantization)
     try:
         result = run_bench(config, log=lambda line: click.echo(line, err=True))
     except ValueError as exc:  # a bad option or job file (JobConfigError is a ValueError)
@@ -103,25 +117,29 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
     click.echo(f"  record: {result.record_path}  chart: {result.chart_path}  archive: {result.archive_path}")
 
 
-def bench_roofline(job: str | None, dtype: str | None, batches: tuple[int, ...], contexts: tuple[int, ...],
-                   prefill: str, reps: int, kv_cache_memory: str | None, seed: int, out_dir: str,
-                   archive: str) -> None:
-    """`bench --roofline`: the model is the job's (with a JOB.yaml) or the default one."""
+def bench_roofline(job: str | None, model: str | None, dtype: str | None, quantization: str | None,
+                   batches: tuple[int, ...], contexts: tuple[int, ...], prefill: str, reps: int,
+                   kv_cache_memory: str | None, seed: int, out_dir: str, archive: str) -> None:
+    """`bench --roofline`: the model is --model, or the job's (with a JOB.yaml), or the default one."""
     from batchgen.bench.roofline import RooflineConfig, run_roofline
     from batchgen.bench.roofline_report import format_roofline
 
     try:
-        seqs, tokens = (int(part) for part in prefill.lower().split("x"))
+        seqs, tokens = (0, 0) if prefill.lower() == "none" else (int(part) for part in prefill.lower().split("x"))
     except ValueError:
-        fail(EXIT_JOB, f"--roofline-prefill must be SEQSxTOKENS such as 4x1024, got {prefill!r}")
+        fail(EXIT_JOB, f"--roofline-prefill must be SEQSxTOKENS such as 4x1024, or none, got {prefill!r}")
     try:
-        model = "default"
+        if job and model:
+            raise ValueError("--model: a JOB.yaml names its own model (its `model:` key); give one or the other")
         if job:
             from batchgen.job.config import load_job
             model = load_job(job).engine.model
-        config = RooflineConfig(model=model, dtypes=(dtype,) if dtype else RooflineConfig.dtypes, batches=batches,
-                                contexts=contexts, prefill_seqs=seqs, prefill_len=tokens, reps=reps,
-                                kv_cache_memory=kv_cache_memory, seed=seed, out_dir=out_dir, archive=archive)
+        quantizations = tuple(None if name.strip() == "none" else name.strip()
+                              for name in (quantization or "none").split(",") if name.strip())
+        config = RooflineConfig(model=model or "default", dtypes=(dtype,) if dtype else RooflineConfig.dtypes,
+                                quantizations=quantizations, batches=batches, contexts=contexts, prefill_seqs=seqs,
+                                prefill_len=tokens, reps=reps, kv_cache_memory=kv_cache_memory, seed=seed,
+                                out_dir=out_dir, archive=archive)
         record = run_roofline(config, log=lambda line: click.echo(line, err=True))
     except ValueError as exc:  # a bad option or job file (JobConfigError is a ValueError)
         fail(EXIT_JOB, str(exc))

@@ -14,7 +14,7 @@ from batchgen.machine import machine_info
 from . import ceiling, report
 from .system_types import DTYPES, BenchOptions, SystemRun
 from .systems import SYSTEMS, run_system
-from .workloads import Workload, job_workload, synthetic_workload
+from .workloads import Workload, fixed_max_tokens, job_workload, synthetic_workload
 
 @dataclass
 class BenchConfig:
@@ -35,6 +35,10 @@ class BenchConfig:
     dtype: str | None = None  # batchgen's and vLLM's; default float32 (with a job: the job's dtype)
     hf_dtype: str | None = None  # the transformers baselines'; default: the same as dtype
     vllm_threads_bind: str = "all"  # VLLM_CPU_OMP_THREADS_BIND: all (this process's CPUs) | default | a CPU list
+    model: str | None = None  # a directory, .gguf or named model; default: the default model (a job names its own)
+    ignore_eos: bool = False  # fixed length: every row generates exactly its max_tokens, EOS or not
+    max_tokens: int | None = None  # every row's max_tokens; default: the workload's own (times max_tokens_scale)
+    quantization: str | None = None  # batchgen's engine quantization; vLLM runs the nearest it has (vllm_system.py)
 
     def validate(self) -> None:
         unknown = [name for name in self.systems if name not in SYSTEMS]
@@ -52,6 +56,11 @@ class BenchConfig:
                 raise ValueError(f"{option} must be one of {', '.join(DTYPES)}, got {value!r}")
         if not self.vllm_threads_bind.strip():
             raise ValueError("--vllm-threads-bind must be all, default or a CPU list such as 0-3")
+        if self.job and self.model:
+            raise ValueError("--model: a JOB.yaml names its own model (its `model:` key); give one or the other")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        check_quantization_name(self.quantization)
 
 
 @dataclass
@@ -69,21 +78,24 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchR
     commit = git_commit()  # the code that runs is the code at the start, whatever is committed meanwhile
     workload, engine_args = build_workload(config)
     log(f"bench: workload {workload.name}: {len(workload.rows)} rows, {workload.prompt_tokens:,} prompt tokens, "
-        f"up to {workload.max_output_tokens:,} output tokens")
+        + (f"exactly {workload.max_output_tokens:,} output tokens (ignore_eos)" if config.ignore_eos
+           else f"up to {workload.max_output_tokens:,} output tokens"))
     dtype = engine_args.dtype  # resolved by build_workload
     hf_dtype = resolved_dtype(config.hf_dtype, engine_args.device) if config.hf_dtype else dtype
     log(f"bench: dtype {dtype} (transformers baselines: {hf_dtype}); measuring the machine's {dtype} matmul ceiling")
     machine_ceiling = ceiling.matmul_flops(config.ceiling_n, dtype=dtype)
 
     options = BenchOptions(engine_args, tuple(config.hf_batch_sizes), config.vllm_python,
-                           config.hf_continuous_time_limit_s, dtype, hf_dtype, config.vllm_threads_bind)
+                           config.hf_continuous_time_limit_s, dtype, hf_dtype, config.vllm_threads_bind,
+                           config.ignore_eos)
     runs: dict[str, SystemRun] = {}
     for name in dict.fromkeys(config.systems):
         log(f"bench: running {name}" + (f" (batch sizes {', '.join(map(str, options.hf_batch_sizes))}, each a "
                                         f"full run)" if name == "hf-static" else ""))
         runs[name] = run_system(name, workload.rows, options)
         run = runs[name]
-        log(f"bench: {name}: " + (f"load {run.load_s:.1f} s, generation {run.wall_s:.1f} s" if run.available
+        started = "" if run.startup_s is None else f"start-up {run.startup_s:.1f} s (a fresh process), "
+        log(f"bench: {name}: " + (f"{started}load {run.load_s:.1f} s, generation {run.wall_s:.1f} s" if run.available
                                   else f"unavailable: {run.reason}"))
 
     record = build_record(config, workload, engine_args, machine_ceiling, runs, started_at, commit)
@@ -101,6 +113,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchR
 def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
     """The rows, and the engine settings for batchgen (the job's engine section when there is a job)."""
     from batchgen.engine import EngineArgs
+    from batchgen.engine.startup import check_quantization, resolve_device, resolve_dtype
     from batchgen.models.loader import load_tokenizer, resolve_model
 
     if config.job:
@@ -108,21 +121,33 @@ def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
 
         engine_args = load_job(config.job).engine
     else:
-        engine_args = EngineArgs(model="default")
+        engine_args = EngineArgs(model=config.model or "default")
     overrides = {key: value for key, value in (("max_num_seqs", config.max_num_seqs),
-                                               ("kv_cache_memory", config.kv_cache_memory)) if value is not None}
+                                               ("kv_cache_memory", config.kv_cache_memory),
+                                               ("quantization", config.quantization)) if value is not None}
     engine_args = dataclasses.replace(engine_args, **overrides)
     engine_args.validate()
     # One explicit dtype for batchgen and vLLM, recorded as such: --dtype, else the job's, else float32.
     dtype = config.dtype or (engine_args.dtype if config.job else "float32")
     engine_args = dataclasses.replace(engine_args, dtype=resolved_dtype(dtype, engine_args.device))
+    device = resolve_device(engine_args.device)
+    check_quantization(engine_args.quantization, resolve_dtype(engine_args.dtype, device), device)
     tokenizer = load_tokenizer(resolve_model(engine_args.model))
     if config.job:
         workload = job_workload(config.job, tokenizer, config.rows, config.max_tokens_scale)
     else:
         workload = synthetic_workload(config.workload, config.rows or 200, config.seed, tokenizer,
                                       engine_args.model, config.max_tokens_scale)
+    if config.max_tokens is not None:
+        workload = fixed_max_tokens(workload, config.max_tokens)
     return workload, engine_args
+
+
+def check_quantization_name(name: str | None) -> None:
+    from batchgen.engine.engine_args import QUANTIZATIONS
+
+    if name is not None and name not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {name!r}")
 
 
 def decoder_for(engine_args: Any, runs: dict[str, SystemRun]) -> Callable[[list[int]], str] | None:

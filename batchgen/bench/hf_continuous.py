@@ -26,7 +26,7 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
     eos = eos_token_ids(model_dir, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else eos[0]
     config = GenerationConfig(do_sample=False, max_new_tokens=max(row.max_tokens for row in rows),
-                              eos_token_id=eos, pad_token_id=pad)
+                              eos_token_id=None if options.ignore_eos else eos, pad_token_id=pad)
     manager = model.init_continuous_batching(generation_config=config, **cache_size(model, options))
     if hasattr(manager, "warmup"):  # allocates the paged cache up front, so that it counts as loading
         manager.warmup()

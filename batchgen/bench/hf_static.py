@@ -37,7 +37,7 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
 
     runs = {}
     for batch_size in options.hf_batch_sizes:
-        wall_s, outputs = generate_all(model, rows, batch_size, eos, pad)
+        wall_s, outputs = generate_all(model, rows, batch_size, eos, pad, ignore_eos=options.ignore_eos)
         runs[batch_size] = (wall_s, outputs)
     best = min(runs, key=lambda size: runs[size][0])
     wall_s, outputs = runs[best]
@@ -48,11 +48,12 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
 
 
 def generate_all(model, rows: list, batch_size: int, eos: list[int] | None, pad: int,
-                 time_limit_s: float | None = None) -> tuple[float, list[RowOutput]]:
+                 time_limit_s: float | None = None, ignore_eos: bool = False) -> tuple[float, list[RowOutput]]:
     """Rows (with .id, .token_ids, .max_tokens) in batches of `batch_size` by prompt length, on the model's device;
     (wall seconds, outputs). eos None: rows stop where the model's generation config says (the GPU check's models
-    say nowhere: ignore_eos). With a time limit, no batch starts after it has passed: the outputs are those of the
-    batches that ran."""
+    say nowhere: ignore_eos). With `ignore_eos`, no row stops before its max_tokens, EOS or not (EOS is not masked:
+    vLLM's and batchgen's meaning). With a time limit, no batch starts after it has passed: the outputs are those of
+    the batches that ran."""
     import torch
 
     ordered = sorted(rows, key=lambda row: len(row.token_ids))
@@ -61,13 +62,14 @@ def generate_all(model, rows: list, batch_size: int, eos: list[int] | None, pad:
     with torch.inference_mode():
         for first in range(0, len(ordered), batch_size):
             batch = ordered[first:first + batch_size]
-            outputs += generate_batch(model, batch, eos, pad, started)
+            outputs += generate_batch(model, batch, eos, pad, started, ignore_eos)
             if time_limit_s is not None and elapsed(started) > time_limit_s:
                 break
     return elapsed(started), outputs
 
 
-def generate_batch(model, batch: list, eos: list[int] | None, pad: int, run_started: float) -> list[RowOutput]:
+def generate_batch(model, batch: list, eos: list[int] | None, pad: int, run_started: float,
+                   ignore_eos: bool = False) -> list[RowOutput]:
     import torch
     from transformers import LogitsProcessorList
 
@@ -78,14 +80,14 @@ def generate_batch(model, batch: list, eos: list[int] | None, pad: int, run_star
         input_ids[i, width - len(row.token_ids):] = torch.tensor(row.token_ids)
         attention_mask[i, width - len(row.token_ids):] = 1
     clock = StepClock()
-    stop = {} if eos is None else {"eos_token_id": eos}
+    stop = {"eos_token_id": None} if ignore_eos else {} if eos is None else {"eos_token_id": eos}
     generated = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
                                do_sample=False, max_new_tokens=max(row.max_tokens for row in batch), pad_token_id=pad,
                                logits_processor=LogitsProcessorList([clock]), **stop)
     new_tokens = generated[:, width:].tolist()
     outputs = []
     for row, tokens in zip(batch, new_tokens):
-        kept = cut(tokens, row.max_tokens, eos or [])
+        kept = cut(tokens, row.max_tokens, [] if ignore_eos else eos or [])
         outputs.append(RowOutput(row.id, kept, clock.times[0] - run_started,
                                  clock.times[len(kept) - 1] - run_started))
     return outputs

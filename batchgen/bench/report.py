@@ -30,7 +30,8 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
 
 
 def system_figures(run: SystemRun, workload: Workload) -> dict[str, Any]:
-    figures: dict[str, Any] = {"available": run.available, "reason": run.reason, "dtype": run.details.get("dtype")}
+    figures: dict[str, Any] = {"available": run.available, "reason": run.reason, "dtype": run.details.get("dtype"),
+                               "quantization": run.details.get("quantization")}
     if not run.available:
         figures["details"] = run.details
         return figures
@@ -38,7 +39,7 @@ def system_figures(run: SystemRun, workload: Workload) -> dict[str, Any]:
     output_tokens = sum(len(row.token_ids) for row in run.rows)
     cache_hit = run.details.get("prefix_cache_hit_rate")
     figures.update({
-        "load_s": run.load_s, "wall_s": run.wall_s, "rows": len(run.rows),
+        "startup_s": run.startup_s, "load_s": run.load_s, "wall_s": run.wall_s, "rows": len(run.rows),
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "prompt_tok_s": prompt_tokens / run.wall_s, "output_tok_s": output_tokens / run.wall_s,
         "ttft_s": percentiles([row.ttft_s for row in run.rows]),
@@ -72,6 +73,8 @@ def comparisons(runs: dict[str, SystemRun], decode: Callable[[list[int]], str] |
         identical = sum(1 for row in run.rows if ref_tokens.get(row.id) == row.token_ids)
         total = max(len(ref_tokens), len(run.rows))
         result[name] = {"dtype": run.details.get("dtype"), "reference_dtype": ref.details.get("dtype"),
+                        "quantization": run.details.get("quantization"),
+                        "reference_quantization": ref.details.get("quantization"),
                         "speedup": ref_speed / speed if speed else None, "wall_ratio": run.wall_s / ref.wall_s,
                         "identical_rows": identical, "rows": total,
                         "identical_share": identical / total if total else None}
@@ -136,7 +139,7 @@ def write_chart(record: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ran = [(name, f) for name, f in record["systems"].items() if f["available"]]
-    names = [f"{label_of(name, f)}\n{short_dtype(f.get('dtype'))}" for name, f in ran]
+    names = [f"{label_of(name, f)}\n{precision(f)}" for name, f in ran]
     speeds = [f["output_tok_s"] for _, f in ran]
     figure, axes = plt.subplots(figsize=(max(5.0, 1.6 * len(ran) + 2), 4.5))
     colors = ["tab:blue" if name.startswith("batchgen") else "tab:gray" for name in names]
@@ -167,6 +170,12 @@ def label_of(name: str, figures: dict) -> str:
     return f"{name} (B={size})" if size is not None else name
 
 
+def precision(figures: dict) -> str:
+    """The dtype and the quantization a system ran in: 'bf16', 'bf16 int8 W8A8'."""
+    quantization = figures.get("quantization")
+    return short_dtype(figures.get("dtype")) + (f" {quantization}" if quantization else "")
+
+
 def _pcts(p: dict | None, scale: float = 1000.0) -> str:
     return "-" if p is None else "/".join(f"{p[k] * scale:,.0f}" for k in ("p50", "p90", "p99"))
 
@@ -174,24 +183,28 @@ def _pcts(p: dict | None, scale: float = 1000.0) -> str:
 def format_table(record: dict[str, Any]) -> str:
     """The compact summary printed at the end of a run."""
     reference = record["reference"] or "batchgen"
-    header = ["system", "dtype", "load s", "wall s", "prompt tok/s", "out tok/s", "TTFT ms p50/90/99",
-              "TPOT ms p50/90/99",
-              "peak RSS", "cache hit", f"{reference} x", "same as ref"]
+    header = ["system", "dtype", "start s", "load s", "wall s", "prompt tok/s", "out tok/s", "TTFT ms p50/90/99",
+              "TPOT ms p50/90/99", "peak RSS", "cache hit", f"{reference} x", "same as ref"]
     lines, unavailable = [], []
     for name, f in record["systems"].items():
         if not f["available"]:
             unavailable.append(f"  {name}: unavailable — {f['reason']}")
             continue
         compared = record["comparisons"].get(name, {})
-        lines.append([label_of(name, f), short_dtype(f.get("dtype")), _fmt(f["load_s"]), _fmt(f["wall_s"]),
+        lines.append([label_of(name, f), precision(f), _fmt(f.get("startup_s")), _fmt(f["load_s"]),
+                      _fmt(f["wall_s"]),
                       _fmt(f["prompt_tok_s"]),
                       _fmt(f["output_tok_s"]), _pcts(f["ttft_s"]), _pcts(f["tpot_s"]),
                       _fmt(f["peak_rss_bytes"] / 2**20, ",.0f", " MiB"), _fmt(f["prefix_cache_hit_rate"], ".0%"),
                       _fmt(compared.get("speedup"), ".2f", "x"), _fmt(compared.get("identical_share"), ".0%")])
-    workload = record["workload"]
+    workload, config = record["workload"], record["config"]
+    length = (f"exactly {config['max_tokens']} tokens a row (ignore_eos)" if config.get("ignore_eos")
+              and config.get("max_tokens") else "ignore_eos" if config.get("ignore_eos")
+              else f"max_tokens {config['max_tokens']} a row" if config.get("max_tokens") else "EOS or max_tokens")
     parts = [f"batchgen bench: {workload['name']}, {workload['rows']} rows, {workload['prompt_tokens']:,} prompt "
-             f"tokens, greedy ({record['date'][:19]}, {record['machine']['cpu']}, {record['machine']['cores']} "
-             f"cores, {record['machine']['torch_threads']} torch threads)"]
+             f"tokens, greedy, {length}; model {workload['model']} ({record['date'][:19]}, "
+             f"{record['machine']['cpu']}, {record['machine']['cores']} cores, {record['machine']['torch_threads']} "
+             f"torch threads)"]
     if lines:
         parts.append(render_table(header, lines))
     parts += unavailable
@@ -213,9 +226,14 @@ def format_table(record: dict[str, Any]) -> str:
                          f"{_fmt(compared['reference_answers_a_label'], '.0%')}, and there the labels agree on "
                          f"{_fmt(compared['label_agreement'], '.0%')}; mean confidence "
                          f"{f['details'].get('mean_confidence', 0):.2f}")
-    ref_dtype = short_dtype(record["systems"].get(reference, {}).get("dtype"))
+    ref_dtype = precision(record["systems"].get(reference, {}))
     parts.append(f"  {reference} x = {reference}'s output tok/s ({ref_dtype}) over the system's (in its own dtype), "
                  f"on the same rows; same as ref = rows whose greedy token ids equal {reference}'s")
+    if any(f.get("startup_s") is not None for f in record["systems"].values()):
+        parts.append("  start s = a fresh process, from its spawn to ready for requests (imports, tokenizer, weights, "
+                     "int8 or packing, KV cache; batchgen: batchgen/bench/startup_probe.py, vLLM: its worker until "
+                     "LLM() returns); load s = the engine's construction in the bench's process (vLLM: the worker's "
+                     "imports + LLM())")
     return "\n".join(parts)
 
 
@@ -239,7 +257,7 @@ def history_table(path: Path) -> str:
                            _fmt(compared.get("speedup"), ".2f", "x"), _fmt(compared.get("identical_share"), ".0%")]
             else:
                 figures = ["unavailable", "-", "-", "-", "-"]
-            dtype = short_dtype(f.get("dtype") or "float32")  # records before --dtype: every system ran in fp32
+            dtype = precision({**f, "dtype": f.get("dtype") or "float32"})  # before --dtype: every system ran fp32
             lines.append([entry["date"][:16], commit, entry["workload"]["name"], str(entry["workload"]["rows"]),
                           name, dtype] + figures)
     if not lines and not roofline:

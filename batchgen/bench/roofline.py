@@ -29,9 +29,10 @@ HEADROOM_BYTES = 2 * 2**30  # activations of the largest step and the rest of th
 class RooflineConfig:
     model: str = "default"
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    quantizations: tuple[str | None, ...] = (None,)  # each dtype with each (None: unquantized); the engine's names
     batches: tuple[int, ...] = (1, 8, 32, 64, 256)
     contexts: tuple[int, ...] = (128, 1024)
-    prefill_seqs: int = 4  # the prefill step: prefill_seqs fresh prompts of prefill_len tokens
+    prefill_seqs: int = 4  # the prefill step: prefill_seqs fresh prompts of prefill_len tokens (0: none)
     prefill_len: int = 1024
     warmup: int = 2
     reps: int = 5
@@ -45,13 +46,18 @@ class RooflineConfig:
     def validate(self) -> None:
         from batchgen.engine.engine_args import parse_bytes
 
+        from batchgen.engine.engine_args import QUANTIZATIONS
+
         if not self.dtypes or any(d not in DTYPES for d in self.dtypes):
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {', '.join(self.dtypes) or 'none'}")
+        if not self.quantizations or any(q is not None and q not in QUANTIZATIONS for q in self.quantizations):
+            raise ValueError(f"--quantization must be a comma-separated list of none, {', '.join(QUANTIZATIONS)}; "
+                             f"got {', '.join(str(q) for q in self.quantizations) or 'nothing'}")
         for name in ("batches", "contexts"):
             values = getattr(self, name)
             if not values or any(v < 1 for v in values):
                 raise ValueError(f"--roofline-{name} must be positive integers, got {values}")
-        for name, least in (("prefill_seqs", 1), ("prefill_len", 1), ("reps", 1), ("warmup", 0)):
+        for name, least in (("prefill_seqs", 0), ("prefill_len", 0), ("reps", 1), ("warmup", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least}, got {getattr(self, name)}")
         if self.kv_cache_memory is not None:
@@ -76,16 +82,24 @@ def run_roofline(config: RooflineConfig, log: Callable[[str], None] = print, wri
     bandwidth = ceiling.memory_bandwidth(config.bandwidth_bytes)
     dtypes = list(dict.fromkeys(resolved_dtype(name, "cpu") for name in config.dtypes))
     matmul = {dtype: ceiling.matmul_flops(config.matmul_n, dtype=dtype) for dtype in dtypes}
-    decode, prefill, models = [], [], {}
+    decode, prefill, models, skipped = [], [], {}, []
     for dtype in dtypes:
-        measured = measure_dtype(config, dtype, bandwidth["bytes_per_s"], matmul[dtype]["flops"], log)
-        decode += measured["decode"]
-        prefill.append(measured["prefill"])
-        models[dtype] = measured["model"]
+        for quantization in dict.fromkeys(config.quantizations):
+            name = variant_name(dtype, quantization)
+            problem = quantization_problem(quantization, dtype)
+            if problem:
+                log(f"roofline: {name}: skipped, {problem}")
+                skipped.append({"dtype": dtype, "quantization": quantization, "skipped": problem})
+                continue
+            measured = measure_dtype(config, dtype, quantization, bandwidth["bytes_per_s"], matmul[dtype]["flops"],
+                                     log)
+            decode += measured["decode"]
+            prefill.append(measured["prefill"])
+            models[name] = measured["model"]
     record = {"kind": "roofline", "date": started_at.isoformat(), "git_commit": commit, "machine": machine_info(),
               "config": dataclasses.asdict(config), "model": config.model,
               "rates": {"memory": bandwidth, "matmul": matmul}, "models": models, "decode": decode,
-              "prefill": prefill, "targets": TARGETS}
+              "prefill": prefill, "skipped_variants": skipped, "targets": TARGETS}
     if write:
         stamp = started_at.strftime("%Y%m%d-%H%M%S")
         record_path = Path(config.out_dir) / f"roofline-{stamp}.json"
@@ -95,15 +109,38 @@ def run_roofline(config: RooflineConfig, log: Callable[[str], None] = print, wri
     return record
 
 
-def measure_dtype(config: RooflineConfig, dtype: str, bandwidth: float, flop_rate: float,
+def variant_name(dtype: str, quantization: str | None) -> str:
+    """'float32', 'bfloat16+int8-weight-only': the key of a (dtype, quantization) in the record's models."""
+    return dtype if quantization is None else f"{dtype}+{quantization}"
+
+
+def quantization_problem(quantization: str | None, dtype: str) -> str | None:
+    """Why the engine would refuse this pair on the CPU (startup.check_quantization), or None."""
+    import torch
+
+    from batchgen.engine.cpu_features import DtypeChoice
+    from batchgen.engine.errors import SettingError
+    from batchgen.engine.startup import check_quantization
+
+    try:
+        check_quantization(quantization, DtypeChoice(getattr(torch, dtype), "bench --dtype"), torch.device("cpu"))
+    except SettingError as exc:
+        return str(exc)
+    return None
+
+
+def measure_dtype(config: RooflineConfig, dtype: str, quantization: str | None, bandwidth: float, flop_rate: float,
                   log: Callable[[str], None]) -> dict[str, Any]:
+    """One (dtype, quantization): the model set up as the engine sets it up, then its decode cases and prefill.
+    The floor's matmul rate is the dtype's (what int8 kernels reach is not measured apart)."""
     import numpy as np
 
     from batchgen.engine import EngineArgs
     from batchgen.engine.startup import kv_bytes_per_token, set_up
 
     block_size = EngineArgs.block_size
-    kv_per_token, limit, limit_note = kv_plan(config, dtype)
+    kv_per_token, limit, limit_note = kv_plan(config, dtype, quantization)
+    name = variant_name(dtype, quantization)
     blocks_of = lambda tokens: -(-tokens // block_size)  # noqa: E731
     cases = sorted(((b, c) for c in config.contexts for b in config.batches), key=lambda bc: (bc[1], bc[0]))
     need = {case: case[0] * blocks_of(case[1]) * block_size * kv_per_token for case in cases}
@@ -111,10 +148,10 @@ def measure_dtype(config: RooflineConfig, dtype: str, bandwidth: float, flop_rat
     fitting = [case for case in cases if need[case] <= limit]
     num_blocks = max([2] + [need[c] // (block_size * kv_per_token) for c in fitting]
                      + ([prefill_need // (block_size * kv_per_token)] if prefill_need <= limit else []))
-    log(f"roofline: {dtype}: loading the model, KV cache {num_blocks * block_size * kv_per_token / 2**30:.2f} GiB "
+    log(f"roofline: {name}: loading the model, KV cache {num_blocks * block_size * kv_per_token / 2**30:.2f} GiB "
         f"({limit_note})")
     setup = set_up(EngineArgs(model=config.model, dtype=dtype, device="cpu", enable_prefix_caching=False,
-                              kv_cache_memory=num_blocks * block_size * kv_per_token))
+                              kv_cache_memory=num_blocks * block_size * kv_per_token, quantization=quantization))
     runner = setup.runner
     assert kv_bytes_per_token(setup.model.num_layers, setup.model.num_kv_heads, setup.model.head_dim,
                               setup.dtype.dtype) == kv_per_token
@@ -125,7 +162,8 @@ def measure_dtype(config: RooflineConfig, dtype: str, bandwidth: float, flop_rat
 
     decode = []
     for batch, context in cases:
-        entry: dict[str, Any] = {"dtype": dtype, "batch": batch, "context": context, "kv_bytes": need[(batch, context)]}
+        entry: dict[str, Any] = {"dtype": dtype, "quantization": quantization, "batch": batch, "context": context,
+                                 "kv_bytes": need[(batch, context)]}
         floor = decode_floor(counts, batch, context, bandwidth, flop_rate)
         entry["floor"] = dataclasses.asdict(floor)
         if context > setup.model.max_model_len:
@@ -133,7 +171,7 @@ def measure_dtype(config: RooflineConfig, dtype: str, bandwidth: float, flop_rat
         elif (batch, context) not in fitting:
             entry["skipped"] = f"needs {need[(batch, context)] / 2**30:.1f} GiB of KV cache; {limit_note}"
         if "skipped" in entry:
-            log(f"roofline: {dtype} decode B={batch} ctx={context}: skipped, {entry['skipped']}")
+            log(f"roofline: {name} decode B={batch} ctx={context}: skipped, {entry['skipped']}")
             decode.append(entry)
             continue
         seqs = synthetic_sequences(batch, context, context - 1, block_size, vocab, rng)
@@ -141,14 +179,17 @@ def measure_dtype(config: RooflineConfig, dtype: str, bandwidth: float, flop_rat
         entry.update(dataclasses.asdict(timed), ratio=timed.best_s / floor.floor_s)
         entry["target"] = decode_target(batch)
         decode.append(entry)
-        log(f"roofline: {dtype} decode B={batch} ctx={context}: {timed.best_s * 1e3:,.2f} ms, floor "
+        log(f"roofline: {name} decode B={batch} ctx={context}: {timed.best_s * 1e3:,.2f} ms, floor "
             f"{floor.floor_s * 1e3:,.2f} ms ({floor.bound}), {entry['ratio']:.2f}x")
 
-    prefill: dict[str, Any] = {"dtype": dtype, "seqs": config.prefill_seqs, "seq_len": config.prefill_len,
+    prefill: dict[str, Any] = {"dtype": dtype, "quantization": quantization, "seqs": config.prefill_seqs,
+                               "seq_len": config.prefill_len,
                                "tokens": config.prefill_seqs * config.prefill_len, "kv_bytes": prefill_need}
     floor = prefill_floor(counts, config.prefill_seqs, config.prefill_len, bandwidth, flop_rate)
     prefill["floor"] = dataclasses.asdict(floor)
-    if config.prefill_len > setup.model.max_model_len:
+    if not config.prefill_seqs or not config.prefill_len:
+        prefill["skipped"] = "not asked for (--roofline-prefill none)"
+    elif config.prefill_len > setup.model.max_model_len:
         prefill["skipped"] = f"{config.prefill_len} tokens are past the model's {setup.model.max_model_len} positions"
     elif prefill_need > limit:
         prefill["skipped"] = f"needs {prefill_need / 2**30:.1f} GiB of KV cache; {limit_note}"
@@ -158,7 +199,7 @@ def measure_dtype(config: RooflineConfig, dtype: str, bandwidth: float, flop_rat
         prefill.update(dataclasses.asdict(timed), ratio=timed.best_s / floor.floor_s,
                        share_of_matmul=floor.flops / timed.best_s / flop_rate,
                        target=TARGETS["prefill_share_of_matmul"])
-        log(f"roofline: {dtype} prefill {config.prefill_seqs}x{config.prefill_len}: {timed.best_s * 1e3:,.1f} ms, "
+        log(f"roofline: {name} prefill {config.prefill_seqs}x{config.prefill_len}: {timed.best_s * 1e3:,.1f} ms, "
             f"{prefill['share_of_matmul']:.0%} of the matmul rate")
     model = {"counts": counts.describe(), "num_blocks": num_blocks, "kv_cache_bytes": runner.kv_cache.nbytes,
              "torch_dtype": str(setup.dtype.dtype)}
@@ -167,7 +208,7 @@ def measure_dtype(config: RooflineConfig, dtype: str, bandwidth: float, flop_rat
     return {"decode": decode, "prefill": prefill, "model": model}
 
 
-def kv_plan(config: RooflineConfig, dtype: str) -> tuple[int, int, str]:
+def kv_plan(config: RooflineConfig, dtype: str, quantization: str | None = None) -> tuple[int, int, str]:
     """(KV bytes per token, the most KV cache this dtype's cases may take, why that much): the memory available
     now less the weights (from the safetensors headers) and a headroom, or the --kv-cache-memory cap if lower."""
     import psutil
@@ -179,7 +220,7 @@ def kv_plan(config: RooflineConfig, dtype: str) -> tuple[int, int, str]:
     from batchgen.models.loader import resolve_model
 
     torch_dtype = getattr(torch, dtype)
-    shape, weights = inspect_model(resolve_model(config.model), torch_dtype, on_cpu=True)
+    shape, weights = inspect_model(resolve_model(config.model), torch_dtype, on_cpu=True, quantization=quantization)
     kv_per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch_dtype)
     available = psutil.virtual_memory().available
     limit = available - weights.loaded - weights.mapped - HEADROOM_BYTES

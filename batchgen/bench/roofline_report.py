@@ -3,8 +3,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from .system_types import QUANTIZATION_LABELS
 from .table import SHORT_DTYPES as SHORT
 from .table import _fmt, render_table
+
+
+def variant_label(case: dict[str, Any]) -> str:
+    """'bf16', 'bf16 int8 weight-only': a case's dtype and quantization (records before --quantization: none)."""
+    quantization = QUANTIZATION_LABELS.get(case.get("quantization"), case.get("quantization"))
+    return SHORT.get(case["dtype"], case["dtype"]) + (f" {quantization}" if quantization else "")
 
 
 def format_roofline(record: dict[str, Any]) -> str:
@@ -24,10 +31,10 @@ def format_roofline(record: dict[str, Any]) -> str:
     for case in record["decode"]:
         floor = case["floor"]
         if "skipped" in case:
-            skipped.append(f"  {SHORT.get(case['dtype'], case['dtype'])} decode B={case['batch']} "
+            skipped.append(f"  {variant_label(case)} decode B={case['batch']} "
                            f"ctx={case['context']}: skipped — {case['skipped']}")
             continue
-        lines.append([SHORT.get(case["dtype"], case["dtype"]), str(case["batch"]), str(case["context"]),
+        lines.append([variant_label(case), str(case["batch"]), str(case["context"]),
                       _fmt(case["best_s"] * 1e3, ",.2f"), _fmt(case["median_s"] * 1e3, ",.2f"),
                       _fmt(floor["floor_s"] * 1e3, ",.2f"), floor["bound"], _fmt(case["ratio"], ".2f", "x"),
                       f"<= {case['target']:.1f}x " + ("ok" if case["ratio"] <= case["target"] else "MISS"),
@@ -37,9 +44,10 @@ def format_roofline(record: dict[str, Any]) -> str:
     if lines:
         parts.append(render_table(header, lines))
     parts += skipped
+    parts += [f"  {variant_label(v)}: skipped — {v['skipped']}" for v in record.get("skipped_variants", [])]
     parts.append("prefill step (fresh prompts, no cache hits):")
     for case in record["prefill"]:
-        name = f"  {SHORT.get(case['dtype'], case['dtype'])} {case['seqs']} x {case['seq_len']} tokens"
+        name = f"  {variant_label(case)}" + (f" {case['seqs']} x {case['seq_len']} tokens" if case["seqs"] else "")
         if "skipped" in case:
             parts.append(f"{name}: skipped — {case['skipped']}")
             continue
@@ -68,10 +76,11 @@ def history_lines(entry: dict[str, Any]) -> list[list[str]]:
 
     lines = []
     for prefill in entry["prefill"]:
-        dtype = prefill["dtype"]
-        cases = [case for case in entry["decode"] if case["dtype"] == dtype and "ratio" in case]
+        variant = (prefill["dtype"], prefill.get("quantization"))
+        cases = [case for case in entry["decode"]
+                 if (case["dtype"], case.get("quantization")) == variant and "ratio" in case]
         lines.append([entry["date"][:16], (entry.get("git_commit") or "-")[:8], str(entry["model"]),
-                      SHORT.get(dtype, dtype), span([c["ratio"] for c in cases]),
+                      variant_label(prefill), span([c["ratio"] for c in cases]),
                       span([c["ratio"] for c in cases if c["batch"] >= 32]),
                       _fmt(prefill.get("share_of_matmul"), ".0%")])
     return lines

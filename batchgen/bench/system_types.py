@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")  # --dtype and --hf-dtype; auto as the engine resolves it
+# batchgen's engine quantization -> what runs, as the table says it: W8A8 = int8 weights and per-token int8
+# activations; weight-only = int8 weights, activations in the model's dtype
+QUANTIZATION_LABELS = {None: None, "int8": "int8 W8A8", "int8-weight-only": "int8 weight-only"}
 
 
 @dataclass
@@ -39,6 +42,8 @@ class SystemRun:
     available: bool
     reason: str | None = None  # why it is unavailable
     load_s: float | None = None  # model load (and start-up), apart from generation
+    # A fresh process's start to ready for requests (interpreter, imports, weights, KV cache), where measured so
+    startup_s: float | None = None
     wall_s: float | None = None  # generation of every row
     rows: list[RowOutput] = field(default_factory=list)
     peak_rss_bytes: int | None = None
@@ -60,6 +65,7 @@ class BenchOptions:
     dtype: str = "float32"  # batchgen's (engine_args.dtype, resolved) and vLLM's
     hf_dtype: str = "float32"  # the transformers baselines'
     vllm_threads_bind: str = "all"  # vllm_system.threads_bind: all | default | a CPU list
+    ignore_eos: bool = False  # fixed length: every row generates exactly its max_tokens
 
 
 def elapsed(since: float) -> float:

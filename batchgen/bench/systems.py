@@ -12,7 +12,7 @@ from .peak_rss import PeakRSS
 from .system_types import BenchOptions, SystemRun
 
 RUNNERS: dict[str, Callable[[list, BenchOptions], SystemRun]] = {
-    "batchgen": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=True),
+    "batchgen": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=True, startup_probe=True),
     "batchgen-nocache": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=False),
     "batchgen-choice": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=True,
                                                                  choice=LABELING_LABELS),

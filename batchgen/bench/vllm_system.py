@@ -4,7 +4,11 @@ Memory is the worker's process tree.
 
 vLLM at its best on a small machine: its CPU default binds one OMP thread per physical core less one core kept for
 its scheduler process (on 2 cores: 1 thread). The worker runs with VLLM_CPU_OMP_THREADS_BIND set to every CPU this
-process may run on instead (1.5-1.9x faster on this project's 2-core machine), unless told otherwise."""
+process may run on instead (1.5-1.9x faster on this project's 2-core machine), unless told otherwise.
+
+With batchgen's `quantization: int8` (W8A8: int8 weights, per-token int8 activations) vLLM runs the same int8 weights
+as a compressed-tensors W8A8 checkpoint (vllm_checkpoint.py); `int8-weight-only` has no vLLM CPU counterpart.
+Start-up (`startup_s`) is the worker process's spawn to its LLM being ready, as batchgen's (startup_probe.py)."""
 from __future__ import annotations
 
 import json
@@ -15,10 +19,16 @@ import time
 from pathlib import Path
 
 from .peak_rss import PeakRSS
-from .system_types import BenchOptions, RowOutput, SystemRun, elapsed
+from .system_types import QUANTIZATION_LABELS, BenchOptions, RowOutput, SystemRun, elapsed
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# batchgen's quantization -> what vLLM runs for it (None: unquantized), and why the others have no counterpart
+VLLM_QUANTIZATIONS = {None: None, "int8": "W8A8 int8: compressed-tensors, per-channel int8 weights (batchgen's "
+                                          "own), dynamic per-token int8 activations, LM head unquantized"}
+VLLM_QUANTIZATIONS_MISSING = {
+    "int8-weight-only": "vLLM's CPU build has no int8 weight-only kernel (compressed-tensors W8A16 needs "
+                        "CPUWNA16LinearKernel, which takes 4-bit weights only)"}
 
 
 def threads_bind(setting: str) -> str | None:
@@ -64,10 +74,18 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
         return SystemRun.unavailable("vllm", "no --vllm-python given (the Python of a virtualenv with vLLM)")
     if not Path(options.vllm_python).is_file():
         return SystemRun.unavailable("vllm", f"--vllm-python {options.vllm_python}: no such file")
+    quantization = options.engine_args.quantization
+    if quantization not in VLLM_QUANTIZATIONS:
+        return SystemRun.unavailable("vllm", f"--quantization {quantization}: "
+                                             f"{VLLM_QUANTIZATIONS_MISSING[quantization]}")
+    model_dir = resolve_model(options.engine_args.model)
+    if quantization == "int8":
+        from .vllm_checkpoint import w8a8_checkpoint
+        model_dir = w8a8_checkpoint(model_dir, options.dtype)
     # vLLM's CPU default sizes its KV cache from the machine's free memory (and fails when another process holds
     # some); it gets batchgen's budget instead, which also makes the comparison like for like.
     llm_kwargs = {"kv_cache_memory_bytes": parse_bytes(options.engine_args.cpu_kv_cache_memory())}
-    spec = {"model_dir": str(resolve_model(options.engine_args.model)), "enable_prefix_caching": True,
+    spec = {"model_dir": str(model_dir), "enable_prefix_caching": True, "ignore_eos": options.ignore_eos,
             "dtype": options.dtype, "llm_kwargs": llm_kwargs,
             "rows": [{"id": row.id, "prompt_token_ids": row.token_ids, "max_tokens": row.max_tokens}
                      for row in rows]}
@@ -99,6 +117,10 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
                "dtype": options.dtype, "omp_threads_bind": bind if bind is not None else "vLLM's default",
                "omp_binding_log": binding_log(lines),
                "process_s": total_s,  # start-up, imports, load, generation and exit of the worker
+               "quantization": QUANTIZATION_LABELS[quantization], "model_dir": str(model_dir),
+               "quantization_detail": VLLM_QUANTIZATIONS[quantization],
+               "vllm_quantization": result.get("quantization"),  # what vLLM itself says it ran
                "prefix_cache_hit_rate": sum(cached) / prompt_tokens if cached and prompt_tokens else None}
+    startup_s = result["ready_monotonic"] - started if "ready_monotonic" in result else None
     return SystemRun("vllm", True, load_s=result["load_s"], wall_s=result["wall_s"], rows=outputs,
-                     peak_rss_bytes=worker_rss.peak, details=details)
+                     peak_rss_bytes=worker_rss.peak, details=details, startup_s=startup_s)

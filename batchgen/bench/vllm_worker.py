@@ -4,9 +4,10 @@ file and write the outputs and timings as JSON. Standalone: imports nothing from
     python vllm_worker.py IN.json OUT.json
 
 IN:  {"model_dir": str, "enable_prefix_caching": bool, "dtype": str (default float32), "llm_kwargs": {...},
-      "rows": [{"id": int, "prompt_token_ids": [int], "max_tokens": int}]}
-OUT: {"vllm_version", "load_s", "wall_s", "rows": [{"id", "token_ids", "num_cached_tokens",
-      "first_token_s", "finish_s"}]}  (times in seconds since generation started; null where vLLM has none)
+      "ignore_eos": bool (default false), "rows": [{"id": int, "prompt_token_ids": [int], "max_tokens": int}]}
+OUT: {"vllm_version", "load_s", "ready_monotonic", "wall_s", "quantization", "rows": [{"id", "token_ids",
+      "num_cached_tokens", "first_token_s", "finish_s"}]}  (row times in seconds since generation started; null
+      where vLLM has none; ready_monotonic: time.monotonic() once the LLM is ready, for the caller's start-up figure)
 """
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ def main(in_path: str, out_path: str) -> None:
     llm = LLM(model=spec["model_dir"], dtype=spec.get("dtype", "float32"), seed=0, enforce_eager=True,
               enable_prefix_caching=spec["enable_prefix_caching"], disable_log_stats=False,  # per-request metrics
               **spec.get("llm_kwargs", {}))
-    load_s = time.monotonic() - started
+    ready = time.monotonic()
+    load_s = ready - started
+    quantization = getattr(llm.llm_engine.model_config, "quantization", None)
 
     rows = spec["rows"]
     prompts = [TokensPrompt(prompt_token_ids=row["prompt_token_ids"]) for row in rows]
-    params = [SamplingParams(temperature=0.0, max_tokens=row["max_tokens"]) for row in rows]
+    params = [SamplingParams(temperature=0.0, max_tokens=row["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
+              for row in rows]
     started = time.monotonic()  # vLLM's engine-core timestamps are time.monotonic() too (one clock per machine)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall_s = time.monotonic() - started
@@ -45,7 +49,8 @@ def main(in_path: str, out_path: str) -> None:
                         "first_token_s": first - started if first else None,
                         "finish_s": last - started if last else None})
     with open(out_path, "w") as f:
-        json.dump({"vllm_version": vllm.__version__, "load_s": load_s, "wall_s": wall_s, "rows": results}, f)
+        json.dump({"vllm_version": vllm.__version__, "load_s": load_s, "ready_monotonic": ready, "wall_s": wall_s,
+                   "quantization": quantization, "rows": results}, f)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The rows a benchmark runs: built-in synthetic workloads (deterministic from a seed) or a job file's input.
 
 Every workload ends as a list of BenchRow: token ids (chat template already applied, as `batchgen run` builds them)
-and a max_tokens. Decoding is always greedy with natural EOS stopping, so only these two things vary per row.
+and a max_tokens. Decoding is always greedy, with natural EOS stopping unless the bench runs fixed-length
+(`--ignore-eos`), so only these two things vary per row. `--max-tokens N` gives every row the same max_tokens
+(`fixed_max_tokens`).
 """
 from __future__ import annotations
 
@@ -226,6 +228,13 @@ def synthetic_workload(name: str, num_rows: int, seed: int, tokenizer: Any, mode
     if max_tokens_scale != 1.0:
         workload.notes.append(f"max_tokens scaled by {max_tokens_scale}")
     return workload
+
+
+def fixed_max_tokens(workload: Workload, max_tokens: int) -> Workload:
+    """The same prompts, every row with max_tokens `max_tokens` (with ignore_eos: exactly that many tokens a row)."""
+    rows = [BenchRow(row.id, row.token_ids, max_tokens, row.kind) for row in workload.rows]
+    notes = workload.notes + [f"every row's max_tokens set to {max_tokens}"]
+    return Workload(workload.name, workload.model, rows, notes)
 
 
 def random_token_rows(num_rows: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], vocab_size: int,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .errors import SettingError
 
-QUANTIZATIONS = ("int8",)  # batchgen/models/quantization.py implements them
+QUANTIZATIONS = ("int8", "int8-weight-only")  # models/quantization.py implements them (QUANTIZED_ACTIVATIONS)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -49,7 +49,8 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto (Triton on CUDA, cpu on the CPU, torch where neither works) | torch |
     # triton | cpu (the C++ kernels: built on first use)
     seed: int = 0  # seeds the seeds drawn for requests that bring none
-    quantization: str | None = None  # None | int8 (int8 weights for every decoder Linear and the LM head)
+    quantization: str | None = None  # None | int8 | int8-weight-only: int8 weights for every decoder Linear and the
+    # LM head; int8 quantizes the activations too on the CPU (W8A8), int8-weight-only keeps them (needs bf16/fp16)
 
     def cpu_kv_cache_memory(self) -> str | int:
         """The KV budget this engine takes on the CPU (what CPU-side baselines should be given)."""

@@ -16,6 +16,7 @@ from ..models.llama import attention_heads
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
 from ..models.accounting import num_parameters, weight_bytes
 from ..models.packed_linear import PackedLinear, packing_supported
+from ..models.quantization import WEIGHT_ONLY_DTYPES
 from .cpu_features import DtypeChoice, auto_cpu_dtype
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs
@@ -30,6 +31,13 @@ from .sliding_window import KVLayout, LocalLayers, kv_layout
 logger = logging.getLogger("batchgen")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Said at every start with a quantization (outputs change); the figures: docs/performance.md, "int8 weights".
+QUANTIZATION_WARNINGS = {
+    "int8": "quantization int8: weights and (on the CPU) activations in int8; on the default model this raised "
+            "perplexity by ~4.5% and changed most greedy outputs (README, Performance)",
+    "int8-weight-only": "quantization int8-weight-only: weights in int8, activations in the model's dtype; on the "
+                        "default model (bf16) this raised perplexity by ~0.4% and changed 60% of greedy outputs "
+                        "(README, Performance)"}
 
 
 @dataclass
@@ -51,6 +59,7 @@ class EngineSetup:
 def set_up(args: EngineArgs) -> EngineSetup:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    check_quantization(args.quantization, dtype, device)
     attention = choose_attention(args.attention_backend, device)  # before the weights load: a failure costs nothing
     args = dataclasses.replace(args, attention_backend=attention.name)  # from here on, the kernels chosen
     model_dir = resolve_model(args.model)
@@ -63,9 +72,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
     if device.type == "cpu":  # each layer's plain copy back to the system as soon as it is freed (host_malloc.py)
         return_freed_memory_at_once()
     model = load_model(model_dir, dtype.dtype, device, args.quantization, pack)
-    if args.quantization == "int8":  # said at every run, not only in the README: outputs change
-        logger.warning("quantization int8: weights and (on the CPU) activations in int8; on the default model this "
-                       "raised perplexity by ~4.5% and changed most greedy outputs (README, Performance)")
+    if args.quantization:  # said at every run, not only in the README: outputs change
+        logger.warning(QUANTIZATION_WARNINGS[args.quantization])
     if pack:
         packed = sum(isinstance(module, PackedLinear) for module in model.modules())
         logger.info("linear layers: oneDNN, %d weights packed", packed)
@@ -95,6 +103,16 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise SettingError("device", "device: cuda was asked for but torch sees no CUDA device")
     return torch.device(name)
+
+
+def check_quantization(quantization: str | None, dtype: DtypeChoice, device: torch.device) -> None:
+    """int8-weight-only on the CPU keeps the activations in the model's dtype, and its kernel has no fast fp32 path:
+    refused there with fp32 (on other devices the weight is dequantized for each matmul, in any dtype)."""
+    if quantization == "int8-weight-only" and device.type == "cpu" and dtype.dtype not in WEIGHT_ONLY_DTYPES:
+        name = str(dtype.dtype).removeprefix("torch.")
+        raise SettingError("quantization", f"quantization int8-weight-only needs bfloat16 or float16 on the CPU, not "
+                                           f"{name} ({dtype.reason}): set dtype: bfloat16 (its int8 kernel has no "
+                                           f"fast float32 path), or use quantization: int8")
 
 
 def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:

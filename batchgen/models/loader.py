@@ -23,7 +23,7 @@ from .gguf_cache import check_cache_can_take, check_file, converted_gguf, is_cac
 from .hub import hub_snapshot, parse_hub_id
 from .llama import LlamaForCausalLM
 from .packed_linear import PackedLinear
-from .quantization import Int8Linear, is_quantized
+from .quantization import QUANTIZED_ACTIVATIONS, Int8Linear, is_quantized
 from .named import NAMED_MODELS
 from .registry import ModelError, ModelNotFoundError, UnsupportedModelError, build_model, model_variant
 from .weight_reader import ShardReader
@@ -31,7 +31,7 @@ from .weight_reader import ShardReader
 # Checkpoint entries that are derived state, not weights: older Llama checkpoints saved the RoPE frequencies.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # quantize_model's options as the loader applies them, layer by layer (scripts/quant_quality.py varies them).
-INT8_OPTIONS = {"lm_head": True, "activations": "dynamic_int8"}
+INT8_OPTIONS = {"lm_head": True, "activations": None}  # None: the quantization setting's (QUANTIZED_ACTIVATIONS)
 
 # The smallest encodings of a GGUF metadata entry and tensor info, to tell a header's counts from random bytes.
 _GGUF_MIN_ENTRY_BYTES, _GGUF_MIN_TENSOR_INFO_BYTES = 13, 24
@@ -152,8 +152,8 @@ def check_gguf_header(path: Path) -> None:
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
                quantization: str | None = None, pack: bool = False) -> LlamaForCausalLM:
     """Our model for the HF-style `model_dir`, its weights read from its safetensors shards (weight_files), in eval
-    mode; with quantization "int8", its Linear layers int8 (models/quantization.py); with `pack` (a CPU that
-    packing_supported), its other Linear layers oneDNN-packed (models/packed_linear.py).
+    mode; with a quantization ("int8", "int8-weight-only"), its Linear layers int8 (models/quantization.py); with
+    `pack` (a CPU that packing_supported), its other Linear layers oneDNN-packed (models/packed_linear.py).
 
     Each Linear is built in its final form as soon as its weights are read, before the next is read: the model never
     holds more than its final weights and one layer's plain copy, and nothing maps the checkpoint (weight_reader)."""
@@ -219,9 +219,10 @@ def _finish(model: nn.Module, module_name: str | None, quantization: str | None,
         return
     parent_name, _, leaf = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    if quantization == "int8" and is_quantized(f"{module_name}.weight") and \
+    if quantization is not None and is_quantized(f"{module_name}.weight") and \
             (module_name != "lm_head" or INT8_OPTIONS["lm_head"]):
-        setattr(parent, leaf, Int8Linear.from_linear(module, INT8_OPTIONS["activations"]))
+        activations = INT8_OPTIONS["activations"] or QUANTIZED_ACTIVATIONS[quantization]
+        setattr(parent, leaf, Int8Linear.from_linear(module, activations))
     elif pack:
         setattr(parent, leaf, PackedLinear(module.weight, module.bias))
 

@@ -9,9 +9,11 @@ Each weight matrix [out, in] becomes int8 with one fp32 scale per output channel
   AVX512-VNNI EPYC: 1.15x fp32, but slower than bf16 (1.28x vs 1.55x fp32) now that plain Linears run on oneDNN's
   packed kernels: int8 saves memory here, not time. It costs quality: perplexity +4.5% (scripts/quant_quality.py),
   mostly from the int8 inputs of qkv, gate_up and the LM head.
-- CPU with bf16/fp16 activations and `weight_only`: `aten._weight_int8pack_mm` (the activations stay in the
-  model's dtype). It is fastest at one row but slower than bf16 from ~32 rows on, and with fp32 activations it is
-  6-35x slower than fp32 (no vectorised fp32 kernel), so it is not the default.
+- CPU with bf16/fp16 activations and `weight_only` (`quantization: int8-weight-only`): `aten._weight_int8pack_mm`
+  (the activations stay in the model's dtype). It reads half the bytes of bf16 weights, so it is fastest where a
+  step is bound by reading the weights (few rows) and slower than bf16 from ~32 rows on (the AVX-512 EPYC above;
+  `batchgen bench --roofline --quantization` measures where on a given CPU). With fp32 activations it is 6-35x slower
+  than fp32 (no vectorised fp32 kernel): the engine refuses it with dtype float32.
 - Other devices: the weight is dequantized to the activations' dtype for each matmul (correct anywhere; it saves
   memory, not time).
 
@@ -24,6 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 ACTIVATIONS = ("dynamic_int8", "weight_only")
+# EngineArgs.quantization -> the activations of its Int8Linears. int8-weight-only needs 16-bit activations:
+# _weight_int8pack_mm has no vectorised fp32 kernel (6-35x slower than fp32), so the engine refuses it with fp32.
+QUANTIZED_ACTIVATIONS = {"int8": "dynamic_int8", "int8-weight-only": "weight_only"}
+WEIGHT_ONLY_DTYPES = (torch.bfloat16, torch.float16)
 # The Linear layers quantize_model replaces: these of every decoder layer, and the LM head.
 DECODER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 SCALE_BYTES = 4  # one fp32 scale per output channel

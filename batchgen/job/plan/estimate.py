@@ -25,6 +25,7 @@ from ..output.resume import check_output, output_errors
 from ..prepare import PreparedJob, check_chat_template, engine_args_for, inspect_job
 from ..output.sink import OutputDir
 from ..input.source import SourceRow, read_source
+from .precision_advice import advise_precision
 from .throughput import TimeEstimate, estimate_time
 
 # Over this share of the available memory the plan warns; over all of it, it refuses (exit 2).
@@ -79,6 +80,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)  # job-level errors: run would refuse (exit 2)
     warnings: list[str] = field(default_factory=list)
     converted_now: bool = False  # the GGUF conversion ran in this process (the baseline is overstated)
+    precision: list[str] = field(default_factory=list)  # precision_advice's lines: the fastest dtype/quantization
 
     @property
     def peak(self) -> int:
@@ -89,7 +91,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
               archive: Path = Path("docs/performance-archive.jsonl")) -> Plan:
     """Every figure of the plan. Raises JobConfigError for a problem that leaves nothing to plan; the others (the
     output refused, memory short) are in `problems`."""
-    from batchgen.engine.startup import context_length, context_limit, resolve_device, resolve_dtype
+    from batchgen.engine.startup import (check_quantization, context_length, context_limit, resolve_device,
+                                         resolve_dtype)
     from batchgen.models.packed_linear import packing_supported
 
     # prepare_job's checks, without taking the output (its lock, --overwrite's removal) or downloading a model
@@ -99,6 +102,10 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
 
     device = resolve_device(config.device)
     choice = resolve_dtype(config.dtype, device)
+    try:
+        check_quantization(config.engine.quantization, choice, device)
+    except SettingError as exc:
+        raise setting_error(exc, "engine") from None
     dtype = choice.dtype
     model_dir, tokenizer, converted_now = load_model_files(config, model_ref)
     shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu",
@@ -134,9 +141,14 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     scale = inputs.total_rows / tokens.sampled if tokens.sampled else 0.0  # the sample's figures for the whole job
     time = estimate_time(archive, model_ref, machine(device), computed * scale, tokens.output_bound * scale,
                          str(choice.dtype).removeprefix("torch."))
-    return Plan(config, inputs, model_ref, model_dir, device, choice, shape, weights, pool, kv_blocks,
+    plan = Plan(config, inputs, model_ref, model_dir, device, choice, shape, weights, pool, kv_blocks,
                 kv_local_blocks, context, tokens, parts, step_tokens, activations, available, available_source,
                 output_state, rows_left, time, cost_per_hour, problems, [warning] if warning else [], converted_now)
+    decode_batch = min(config.engine.max_num_seqs, rows_left or inputs.total_rows, seqs_at_once(plan)[0])
+    plan.precision = advise_precision(archive, machine(device), str(choice.dtype).removeprefix("torch."),
+                                      config.engine.quantization, max(decode_batch, 1), computed * scale,
+                                      tokens.output_bound * scale)
+    return plan
 
 
 def memory_verdict(peak: int, available: int) -> tuple[str | None, str | None]:

@@ -143,11 +143,11 @@ def _memory(plan: Plan) -> list[str]:
 def _time(plan: Plan) -> list[str]:
     t, total = plan.time, plan.inputs.total_rows
     if t.seconds is None:
-        return [t.how]
+        return [t.how] + plan.precision
     left = "" if plan.rows_left == total else "; nothing left to generate" if plan.rows_left == 0 else \
         f"; ~{_seconds_left(plan):,.1f} s for the {plan.rows_left:,} rows left"
     return [f"~{t.seconds:,.1f} s of generation for all {total:,} rows (+ {t.load_s:.1f} s model load){left}; "
-            f"{t.how}", "bench records " + ", ".join(t.records)]
+            f"{t.how}", "bench records " + ", ".join(t.records)] + plan.precision
 
 
 def _seconds_left(plan: Plan) -> float:

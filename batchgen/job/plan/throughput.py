@@ -71,7 +71,12 @@ def _matches(record: dict, model: str, device: dict[str, Any], dtype: str) -> bo
     machine = record.get("machine", {})
     engine_device = record.get("config", {}).get("engine_args", {}).get("device", "auto")
     on_cpu = engine_device == "cpu" or (engine_device == "auto" and "+cpu" in machine.get("torch", ""))
-    return on_cpu and machine.get("cpu") == device["cpu"] and machine.get("cores") == device["cores"] \
+    return on_cpu and same_cpu(machine, device)
+
+
+def same_cpu(machine: dict[str, Any], device: dict[str, Any]) -> bool:
+    """A record's machine is this CPU kind: the same CPU name, core count and instruction sets."""
+    return machine.get("cpu") == device.get("cpu") and machine.get("cores") == device.get("cores") \
         and _same_flags(machine.get("cpu_flags"), device.get("cpu_flags"))
 
 
