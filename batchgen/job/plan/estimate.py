@@ -16,7 +16,7 @@ from batchgen.engine.block_pool import hash_block
 from batchgen.engine.errors import SettingError
 from batchgen.engine.kv_pool import KVPoolSize
 from batchgen.engine.sliding_window import hit_blocks
-from batchgen.machine import available_memory, machine_info, process_rss
+from batchgen.machine import available_memory, process_rss
 
 from . import memory
 from ..config import JobConfig, JobConfigError, setting_error
@@ -26,7 +26,7 @@ from ..prepare import PreparedJob, check_chat_template, engine_args_for, inspect
 from ..output.sink import OutputDir
 from ..input.source import SourceRow, read_source
 from .precision_advice import advise_precision
-from .throughput import TimeEstimate, estimate_time
+from .throughput import TimeEstimate, estimate_time, machine
 
 # Over this share of the available memory the plan warns; over all of it, it refuses (exit 2).
 MEMORY_WARN_SHARE = 0.8
@@ -376,14 +376,6 @@ def lock_holder(out: OutputDir) -> int | None:
         if "FLOCK" in fields and device in fields:
             return int(fields[fields.index(device) - 1])
     return None
-
-
-def machine(device) -> dict[str, Any]:
-    """This machine as the bench archive describes one: CPU model name, core count and kernel flags."""
-    if device.type != "cpu":
-        return {"type": device.type}
-    info = machine_info()
-    return {"type": "cpu", "cpu": info["cpu"], "cores": info["cores"], "cpu_flags": info["cpu_flags"]}
 
 
 def percentile(sorted_values: list[int], q: float) -> int:

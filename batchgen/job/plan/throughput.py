@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from batchgen.machine import machine_info
 from batchgen.models.named import NAMED_MODELS
 
 
@@ -72,6 +73,14 @@ def _matches(record: dict, model: str, device: dict[str, Any], dtype: str) -> bo
     engine_device = record.get("config", {}).get("engine_args", {}).get("device", "auto")
     on_cpu = engine_device == "cpu" or (engine_device == "auto" and "+cpu" in machine.get("torch", ""))
     return on_cpu and same_cpu(machine, device)
+
+
+def machine(device) -> dict[str, Any]:
+    """This machine as the bench archive describes one: CPU model name, core count and kernel flags."""
+    if device.type != "cpu":
+        return {"type": device.type}
+    info = machine_info()
+    return {"type": "cpu", "cpu": info["cpu"], "cores": info["cores"], "cpu_flags": info["cpu_flags"]}
 
 
 def same_cpu(machine: dict[str, Any], device: dict[str, Any]) -> bool:
