@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import struct
 import subprocess
@@ -233,11 +234,14 @@ def test_run_parts_of_another_schema_are_refused_before_the_run(tmp_path):
 
 # -- item 6 and 10 (b): an invalid model is a job error ----------------------------------------------------------------
 
+_NOISE = random.Random(0)  # seeded: pytest-xdist's workers must collect the same parameters
+
+
 @pytest.mark.parametrize("content, fragment", [
-    (os.urandom(4096), "is not a valid GGUF file (it does not start with the GGUF magic bytes)"),
-    (b"GGUF" + os.urandom(4092), "is not a valid GGUF file"),
-    (b"GGUF" + struct.pack("<IQQ", 3, 10**6, 10**6) + os.urandom(100), "more than its 124 bytes can hold"),
-])
+    (_NOISE.randbytes(4096), "is not a valid GGUF file (it does not start with the GGUF magic bytes)"),
+    (b"GGUF" + _NOISE.randbytes(4092), "is not a valid GGUF file"),
+    (b"GGUF" + struct.pack("<IQQ", 3, 10**6, 10**6) + _NOISE.randbytes(100), "more than its 124 bytes can hold"),
+], ids=["noise", "magic-then-noise", "counts-too-large"])
 def test_garbage_gguf_is_refused_before_loading(tmp_path, monkeypatch, content, fragment):
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))  # were it converted: not in the user's cache
     (tmp_path / "model.gguf").write_bytes(content)
