@@ -263,10 +263,10 @@ def test_the_budget_split():
     pool = size_kv_pool(40 * BLOCK * 256 + 41 * BLOCK * 768 + 100, "'x'", 256, BLOCK, 8, 512, local, 64)
     assert (pool.num_blocks, pool.local.num_blocks) == (40, 41) and pool.bytes <= 40 * 1024 + 41 * 3072 + 100
     cap = local_blocks_at_most(WINDOW, BLOCK, 8, 64)
-    assert cap == 8 * (2 * 2 + 2) + 16 + 1
+    assert cap == 8 * (2 + 2) + 2 * 16 + 1  # sequences' windows and a step, a step again, the null block
     big = size_kv_pool(2**20, "'1MiB'", 256, BLOCK, 8, 512, local, 64)
     assert big.local.num_blocks == cap and big.num_blocks == (2**20 - cap * 3072) // 1024
-    assert big.bytes <= 2**20 and "65 blocks (max_num_seqs 8 x (2 x 2 + 2)" in big.reason
+    assert big.bytes <= 2**20 and "65 blocks (max_num_seqs 8 x 4 + 2 64-token steps, and its null block)" in big.reason
     huge = size_kv_pool(2**30, "'1GiB'", 256, BLOCK, 8, 512, local, 64)
     assert huge.num_blocks == 8 * (512 // BLOCK + 1) and huge.local.num_blocks == cap
     assert kv_layout([8, 8, None, 8]).local_layers == (0, 1, 3) and kv_layout([None, None]).local_layers == ()

@@ -5,9 +5,10 @@ its rows, so a small job gets a small pool. (`batchgen plan` runs the same arith
 A model with sliding-window layers beside global ones has a second pool for the local layers (sliding_window.py),
 and the budget is split between the two: the local pool gets as many blocks as the global one plus its null
 block (its sequences never hold more blocks in it than in the global pool: only those still in their window), but
-no more than local_blocks_at_most (what max_num_seqs sequences' windows and a step's tokens can use, and as much
-again for the prefix cache); the global pool gets the rest. So sequences shorter than the window cost what they did
-with one pool, and a pool whose sequences outgrow the window holds more of them."""
+no more than local_blocks_at_most (what max_num_seqs sequences' windows and a step's tokens can use, and a step's
+tokens again for the prefix cache); the global pool gets the rest. So no workload holds fewer sequences than with
+one pool (sequences shorter than the window hold as many blocks in each), and where the budget exceeds the local
+pool's cap, the global pool, which sets the context the cache holds, gets all the rest."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -112,9 +113,9 @@ def _split_pools(budget: int, budget_source: str, bytes_per_token: int, block_si
     if usable < num_blocks:
         num_blocks, reason = usable, _capped(max_num_seqs, context, budget_source)
     local_blocks = min(num_blocks + 1, cap)
+    per_seq = hit_blocks(local.window, block_size) + 2
     why = "as many as the global pool, and its null block" if num_blocks + 1 < cap else (
-        f"max_num_seqs {max_num_seqs} x (2 x {hit_blocks(local.window, block_size)} + 2) + a "
-        f"{max_num_batched_tokens:,}-token step, and its null block")
+        f"max_num_seqs {max_num_seqs} x {per_seq} + 2 {max_num_batched_tokens:,}-token steps, and its null block")
     reason += (f"; sliding-window layers (window {local.window:,}) in a pool of their own: {local_blocks:,} "
                f"blocks ({why})")
     return KVPoolSize(num_blocks, block_size, bytes_per_token, reason,

@@ -58,10 +58,10 @@ def hit_blocks(window: int, block_size: int) -> int:
 def local_blocks_at_most(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """The local pool's size when the budget allows it: what max_num_seqs running sequences can hold at once (each
     its window's blocks, the block its next token goes in and one a prefill chunk may start in; a step's new
-    tokens besides), as many windows again so that the windows sequences leave behind stay findable by the prefix
-    cache for a while, and the null block."""
-    per_window = hit_blocks(window, block_size)
-    return max_num_seqs * (2 * per_window + 2) + -(-max_num_batched_tokens // block_size) + 1
+    tokens besides), a step's tokens of room again, so that even at that peak the windows sequences leave behind
+    stay findable by the prefix cache for a step's allocations, and the null block."""
+    step_blocks = -(-max_num_batched_tokens // block_size)
+    return max_num_seqs * (hit_blocks(window, block_size) + 2) + 2 * step_blocks + 1
 
 
 class LocalBlocks:
