@@ -1,5 +1,5 @@
 """Labeling a pipeline can trust, end to end through `batchgen run` on the default model: a 9-label `choice` over
-36 tickets, JSON-schema rows parsed into a typed `json` column, regex rows and rows of n samples, all in one job
+108 tickets, JSON-schema rows parsed into a typed `json` column, regex rows and rows of n samples, all in one job
 (per-row columns set each row's constraint), with logprobs. Then the same outputs with prefix caching off, a
 16-token budget, a tiny KV pool (preemptions) and after a `kill -9` and a resume."""
 from __future__ import annotations
@@ -37,9 +37,7 @@ SCHEMA = {
 }
 DATE = r"\d{4}-\d{2}-\d{2}"
 SAMPLES = Path(__file__).resolve().parent.parent / "data" / "samples" / "tickets.parquet"
-# 36 choice rows: their 324 forks are ten times a step's 32 sequences, and the kill below (after 3 parts of 8 rows)
-# still leaves rows to the resume
-NUM_CHOICE, NUM_JSON, NUM_DATE, NUM_SAMPLED = 36, 6, 6, 3
+NUM_CHOICE, NUM_JSON, NUM_DATE, NUM_SAMPLED = 108, 6, 6, 3
 
 pytestmark = pytest.mark.slow  # every test waits on the module's real runs
 
