@@ -84,7 +84,11 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
         model_dir = w8a8_checkpoint(model_dir, options.dtype)
     # vLLM's CPU default sizes its KV cache from the machine's free memory (and fails when another process holds
     # some); it gets batchgen's budget instead, which also makes the comparison like for like.
-    llm_kwargs = {"kv_cache_memory_bytes": parse_bytes(options.engine_args.cpu_kv_cache_memory())}
+    # Its context too: vLLM refuses a model whose whole context (131,072 tokens for Llama 3.2) the KV budget cannot
+    # hold, where batchgen caps the context at what its pool holds. At the rows' longest need both serve every row.
+    llm_kwargs = {"kv_cache_memory_bytes": parse_bytes(options.engine_args.cpu_kv_cache_memory()),
+                  "max_model_len": options.engine_args.max_model_len
+                  or max(len(row.token_ids) + row.max_tokens for row in rows)}
     spec = {"model_dir": str(model_dir), "enable_prefix_caching": True, "ignore_eos": options.ignore_eos,
             "dtype": options.dtype, "llm_kwargs": llm_kwargs,
             "rows": [{"id": row.id, "prompt_token_ids": row.token_ids, "max_tokens": row.max_tokens}
