@@ -134,6 +134,8 @@ def test_startup_probe_on_its_own(tiny_llama_dir):
 def test_bad_fixed_length_and_model_options_exit_2(tmp_path, tiny_chat_model):
     job = write_job(tmp_path, tiny_chat_model, write_input(tmp_path / "in.parquet", ["Hello there"]))
     for args, words in [(["--max-tokens", "0"], "--max-tokens"), ([str(job), "--model", "default"], "--model"),
+                        (["--roofline", str(job), "--model", "default"], "--model"),
+                        (["--roofline", "--quantization", "none,int4"], "--quantization"),
                         (["--quantization", "int4"], "--quantization"),
                         (["--quantization", "int8-weight-only", "--dtype", "float32"], "bfloat16")]:
         result, _ = bench(tmp_path, *args)

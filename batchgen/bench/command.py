@@ -130,7 +130,8 @@ def bench_roofline(job: str | None, model: str | None, dtype: str | None, quanti
         fail(EXIT_JOB, f"--roofline-prefill must be SEQSxTOKENS such as 4x1024, or none, got {prefill!r}")
     try:
         if job and model:
-            raise ValueError("--model: a JOB.yaml names its own model (its `model:` key); give one or the other")
+            from batchgen.bench.harness import MODEL_AND_JOB
+            raise ValueError(MODEL_AND_JOB)
         if job:
             from batchgen.job.config import load_job
             model = load_job(job).engine.model

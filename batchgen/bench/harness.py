@@ -16,6 +16,9 @@ from .system_types import DTYPES, BenchOptions, SystemRun
 from .systems import SYSTEMS, run_system
 from .workloads import Workload, fixed_max_tokens, job_workload, synthetic_workload
 
+MODEL_AND_JOB = "--model: a JOB.yaml names its own model (its `model:` key); give one or the other"
+
+
 @dataclass
 class BenchConfig:
     job: str | None = None  # a job file: its rows instead of a synthetic workload
@@ -57,7 +60,7 @@ class BenchConfig:
         if not self.vllm_threads_bind.strip():
             raise ValueError("--vllm-threads-bind must be all, default or a CPU list such as 0-3")
         if self.job and self.model:
-            raise ValueError("--model: a JOB.yaml names its own model (its `model:` key); give one or the other")
+            raise ValueError(MODEL_AND_JOB)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
         check_quantization_name(self.quantization)
