@@ -61,6 +61,23 @@ def test_fused_ops_take_the_residual_add_exactly_and_reject_bad_shapes():
         FusedCpuElementwise.rms_norm(x, torch.ones(7), 1e-6)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_vector_and_tail_lanes_agree(dtype):
+    """silu_mul runs 16 lanes at a time and the row's tail one by one: the same values give the same bits in both,
+    a NaN stays a NaN in both."""
+    gate = (3 * torch.randn(37, generator=torch.Generator().manual_seed(0))).to(dtype)
+    gate[[3, 36]] = float("nan")
+    up = torch.ones(37, dtype=dtype)
+    out = FusedCpuElementwise.silu_mul(torch.cat([gate, up])[None])[0]  # lanes 0-31 vectorized, 32-36 the tail
+    shifted = FusedCpuElementwise.silu_mul(torch.cat([gate[32:], up[32:]])[None])[0]  # those 5 alone: all tail
+    assert torch.isnan(out[[3, 36]]).all() and not torch.isnan(out[[0, 1, 2, 4, 35]]).any()
+    assert torch.equal(out[32:].nan_to_num(), shifted.nan_to_num())
+    scalar = torch.cat([FusedCpuElementwise.silu_mul(torch.stack([gate[i:i + 1], up[i:i + 1]], 1))
+                        for i in range(16)])[:, 0]  # one element a row: lanes 0-15 through the scalar loop
+    assert torch.equal(out[:16].nan_to_num(), scalar.nan_to_num())
+
+
 def test_get_elementwise_falls_back_to_torch_ops():
     assert get_elementwise("cpu", fused=False) is TorchElementwise
     assert get_elementwise("meta", fused=True) is TorchElementwise
@@ -77,7 +94,9 @@ def test_packed_linear_matches_f_linear(dtype, rows):
     bias = torch.randn(48, generator=g).to(dtype)
     x = torch.randn(rows, 80, generator=g).to(dtype)
     want = F.linear(x.double(), weight.double(), bias.double())
-    got = PackedLinear(weight, bias)(x)
+    layer = PackedLinear(weight, bias)
+    weight.fill_(float("nan"))  # the loader reads the next weight into the same buffer: the packed copy owns its own
+    got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, 48)
     tolerance = 1e-5 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "fast_exp.h"
+#include "vec16.h"
 
 #include <cmath>
 #include <algorithm>
@@ -200,7 +201,48 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
   return {q, k};
 }
 
-// gate_up: [T, 2 I] (gate then up) → silu(gate) * up: [T, I], silu rounded to T before the product.
+// 16 values of T as floats and back (fp32 and bf16: the dtypes the vector loops below take; fp16 stays scalar).
+typedef uint32_t UInt16v __attribute__((vector_size(64)));
+
+template <typename T>
+constexpr bool kVec16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+template <typename T>
+inline Vec16 load_vec(const T* p) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return widen_bf16(p);
+  else return load16(p);
+}
+
+// float_to_bf16_bits on 16 lanes, as the bf16 bits in the top half of each lane (a NaN stays a NaN).
+inline UInt16v bf16_bits_vec(Vec16 v) {
+  UInt16v bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const UInt16v rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  return v != v ? UInt16v{} + 0x7FC00000u : rounded;
+}
+
+template <typename T>
+inline Vec16 round_vec(Vec16 v) {  // round_to<T> on 16 lanes
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const UInt16v bits = bf16_bits_vec(v);
+    std::memcpy(&v, &bits, sizeof v);
+  }
+  return v;
+}
+
+template <typename T>
+inline void store_vec(T* p, Vec16 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const Half16 half = __builtin_convertvector(bf16_bits_vec(v) >> 16, Half16);
+    std::memcpy(p, &half, sizeof half);
+  } else {
+    store16(p, v);
+  }
+}
+
+// gate_up: [T, 2 I] (gate then up) → silu(gate) * up: [T, I], silu rounded to T before the product. Sixteen lanes
+// at a time where T allows: the scalar loop alone did not vectorize (built for AVX2 it ran 2.6x slower than torch's
+// two ops); exp16 is fast_exp's arithmetic, so both loops give the same bits.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "silu_mul: gate_up must be a contiguous [T, 2 I] tensor");
@@ -215,7 +257,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         const T* g = src + t * 2 * inner;
         const T* u = g + inner;
         T* y = dst + t * inner;
-        for (int64_t i = 0; i < inner; ++i) {
+        int64_t i = 0;
+        if constexpr (kVec16<T>) {
+          for (; i + 16 <= inner; i += 16) {
+            const Vec16 x = load_vec(g + i);
+            const Vec16 silu = round_vec<T>(x / (1.f + exp16(-x)));
+            store_vec(y + i, silu * load_vec(u + i));
+          }
+        }
+        for (; i < inner; ++i) {
           const float x = load(g, i);
           const float silu = round_to<T>(x / (1.f + fast_exp(-x)));
           store(y, i, silu * load(u, i));
