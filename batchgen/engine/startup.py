@@ -16,6 +16,7 @@ from ..models.llama import attention_heads
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
 from ..models.accounting import num_parameters, weight_bytes
 from ..models.packed_linear import PackedLinear, packing_supported
+from ..models.upcast_linear import UpcastLinear, upcast_supported
 from ..models.quantization import WEIGHT_ONLY_DTYPES
 from .cpu_features import DtypeChoice, auto_cpu_dtype
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
@@ -68,7 +69,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
         check_attention_shape(args, device, dtype.dtype, AutoConfig.from_pretrained(model_dir))
     tokenizer = load_tokenizer(model_dir)
     logger.info("dtype %s", dtype.reason)
-    pack = packing_supported(device, dtype.dtype)
+    pack = packing_supported(device, dtype.dtype) or upcast_supported(device, dtype.dtype)
     if device.type == "cpu":  # each layer's plain copy back to the system as soon as it is freed (host_malloc.py)
         return_freed_memory_at_once()
     model = load_model(model_dir, dtype.dtype, device, args.quantization, pack)
@@ -76,7 +77,11 @@ def set_up(args: EngineArgs) -> EngineSetup:
         logger.warning(QUANTIZATION_WARNINGS[args.quantization])
     if pack:
         packed = sum(isinstance(module, PackedLinear) for module in model.modules())
-        logger.info("linear layers: oneDNN, %d weights packed", packed)
+        upcast = sum(isinstance(module, UpcastLinear) for module in model.modules())
+        if packed:
+            logger.info("linear layers: oneDNN, %d weights packed", packed)
+        if upcast:
+            logger.info("linear layers: %d bf16 weights multiplied in fp32 (no native bf16 on this CPU)", upcast)
     if device.type == "cpu":  # the loader's freed plain copies back to the system (host_malloc.py)
         release_freed_memory()
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))

@@ -23,6 +23,7 @@ from .gguf_cache import check_cache_can_take, check_file, converted_gguf, is_cac
 from .hub import hub_snapshot, parse_hub_id
 from .llama import LlamaForCausalLM
 from .packed_linear import PackedLinear
+from .upcast_linear import UpcastLinear, upcast_supported
 from .quantization import QUANTIZED_ACTIVATIONS, Int8Linear, is_quantized
 from .named import NAMED_MODELS
 from .registry import ModelError, ModelNotFoundError, UnsupportedModelError, build_model, model_variant
@@ -153,7 +154,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
                quantization: str | None = None, pack: bool = False) -> LlamaForCausalLM:
     """Our model for the HF-style `model_dir`, its weights read from its safetensors shards (weight_files), in eval
     mode; with a quantization ("int8", "int8-weight-only"), its Linear layers int8 (models/quantization.py); with
-    `pack` (a CPU that packing_supported), its other Linear layers oneDNN-packed (models/packed_linear.py).
+    `pack` (a CPU that packing_supported or upcast_supported), its other Linear layers oneDNN-packed
+    (models/packed_linear.py), or for bf16 without oneDNN's bf16, computed in fp32 (models/upcast_linear.py).
 
     Each Linear is built in its final form as soon as its weights are read, before the next is read: the model never
     holds more than its final weights and one layer's plain copy, and nothing maps the checkpoint (weight_reader)."""
@@ -189,7 +191,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
             if module_name != pending:
                 _finish(model, pending, quantization, pack)
                 pending = module_name
-            staged = plains if leaf == "weight" and _replaced(model, module_name, quantization, pack) else None
+            staged = plains if leaf == "weight" and _replaced(model, module_name, quantization, dtype, pack) else None
             _set_parameter(model, param_name, _read(shard_of, param_name, names, model, dtype, casts, staged).to(device))
         _finish(model, pending, quantization, pack)
     model.tie_weights()
@@ -216,8 +218,8 @@ def _read(shard_of: dict, param_name: str, names: list[str], model: nn.Module, d
 
 
 def _finish(model: nn.Module, module_name: str | None, quantization: str | None, pack: bool) -> None:
-    """Give a fully read plain Linear its final form (int8, or packed), dropping its plain weight."""
-    if module_name is None or not _replaced(model, module_name, quantization, pack):
+    """Give a fully read plain Linear its final form (int8, packed, or bf16 computed in fp32)."""
+    if module_name is None or type(model.get_submodule(module_name)) is not nn.Linear:
         return
     module = model.get_submodule(module_name)
     if module.weight.is_meta:
@@ -227,7 +229,9 @@ def _finish(model: nn.Module, module_name: str | None, quantization: str | None,
     if _quantized(module_name, quantization):
         activations = INT8_OPTIONS["activations"] or QUANTIZED_ACTIVATIONS[quantization]
         setattr(parent, leaf, Int8Linear.from_linear(module, activations))
-    else:
+    elif pack and upcast_supported(module.weight.device, module.weight.dtype):
+        setattr(parent, leaf, UpcastLinear(module.weight, module.bias))  # keeps this very weight
+    elif pack:
         setattr(parent, leaf, PackedLinear(module.weight, module.bias))
 
 
@@ -236,10 +240,12 @@ def _quantized(module_name: str, quantization: str | None) -> bool:
         (module_name != "lm_head" or INT8_OPTIONS["lm_head"])
 
 
-def _replaced(model: nn.Module, module_name: str, quantization: str | None, pack: bool) -> bool:
-    """Whether _finish gives this module a new form (int8 or packed), so that its plain weight is only read to be
-    converted: both copy what they take, which PackedLinear's test checks by overwriting the plain weight."""
-    return type(model.get_submodule(module_name)) is nn.Linear and (pack or _quantized(module_name, quantization))
+def _replaced(model: nn.Module, module_name: str, quantization: str | None, dtype: torch.dtype, pack: bool) -> bool:
+    """Whether _finish makes this module's weight anew (int8 or packed), so that its plain weight is only read to
+    be converted: both copy what they take, which their tests check by overwriting the plain weight afterwards."""
+    if type(model.get_submodule(module_name)) is not nn.Linear:
+        return False
+    return _quantized(module_name, quantization) or (pack and not upcast_supported(torch.device("cpu"), dtype))
 
 
 def _build_on_meta(config, variant, model_dir: Path) -> LlamaForCausalLM:
