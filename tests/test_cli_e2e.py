@@ -287,7 +287,8 @@ def test_engine_sort_is_deprecated_and_may_not_contradict_input_sort(small_input
 def test_unusable_output_paths_exit_2(small_input):
     (small_input / "file").write_text("x")
     job = base_job(small_input / "in.parquet", small_input / "file")
-    assert "output.path: " in job_error(small_input, job) and "is not a directory" in job_error(small_input, job)
+    message = job_error(small_input, job)
+    assert "output.path: " in message and "is not a directory" in message
     (small_input / "theirs").mkdir()
     (small_input / "theirs" / "report.csv").write_text("x")
     job = base_job(small_input / "in.parquet", small_input / "theirs")

@@ -20,6 +20,7 @@ from torch import nn
 
 from .checkpoint_files import check_model_files, weight_files
 from .gguf_cache import check_cache_can_take, check_file, converted_gguf, is_cache_entry, read_json
+from .gguf_metadata import gguf_has_key
 from .hub import hub_snapshot, parse_hub_id
 from .llama import LlamaForCausalLM
 from .packed_linear import PackedLinear
@@ -121,11 +122,9 @@ def has_chat_template(path: Path) -> bool:
             return True
         config = path / "tokenizer_config.json"
         return os.path.lexists(config) and read_json(config).get("chat_template") is not None
-    from gguf import GGUFReader
-
     try:
-        return "tokenizer.chat_template" in GGUFReader(path).fields
-    except Exception:  # noqa: BLE001 -- gguf raises many types for a damaged file; its conversion names the problem
+        return gguf_has_key(path, "tokenizer.chat_template")
+    except (OSError, ValueError):  # a damaged file: its conversion names the problem
         return True
 
 
