@@ -29,8 +29,8 @@ class UpcastLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # this very tensor (a tied head: the embedding)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.weight = _parameter(weight)  # this very parameter: a tied head's is the embedding table's
+        self.bias = None if bias is None else _parameter(bias)
         self.slice_rows = max(1, SLICE_BYTES // (4 * max(1, self.in_features)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,3 +47,7 @@ class UpcastLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype=bfloat16, compute=fp32"
+
+
+def _parameter(tensor: torch.Tensor) -> nn.Parameter:
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor.detach(), requires_grad=False)
