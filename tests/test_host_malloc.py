@@ -57,3 +57,29 @@ def test_a_cpu_engine_sets_it_up_once_its_cache_is_allocated(tiny_llama_dir, mon
     monkeypatch.setattr(startup, "ModelRunner", lambda *args: calls.append("runner"))
     startup.set_up(EngineArgs(model=str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_memory="1MiB"))
     assert calls == ["runner", "malloc"]
+
+
+def faults_of_a_load(prefault: bool) -> tuple[bool, int]:
+    """(whether the heap reserved its region, minor page faults in making and filling four 48 MiB tensors after
+    hand_over: a loader's new weights), in a fresh interpreter."""
+    code = f"""
+import resource, torch
+from batchgen.engine.host_malloc import PrefaultedHeap
+heap = PrefaultedHeap({4 * PAGES * 4096} if {prefault} else 0)
+heap.hand_over()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+weights = [torch.empty({PAGES * 4096}, dtype=torch.uint8).fill_(1) for _ in range(4)]
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+heap.close()
+print(heap.reserved, faults)
+"""
+    clean = {k: v for k, v in os.environ.items() if k not in host_malloc.USER_SETTINGS and k != "GLIBC_TUNABLES"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean, check=True)
+    reserved, faults = result.stdout.split()
+    return reserved == "True", int(faults)
+
+
+def test_a_prefaulted_heap_serves_the_weights_without_page_faults():
+    assert faults_of_a_load(False) == (False, pytest.approx(4 * PAGES, rel=0.2))  # each new tensor: fresh pages
+    reserved, faults = faults_of_a_load(True)
+    assert not reserved and faults <= 0.05 * 4 * PAGES  # close() released the region; the tensors were carved from it

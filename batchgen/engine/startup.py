@@ -13,7 +13,10 @@ from batchgen_kernels import BackendChoice, choose_backend
 from batchgen_kernels.elementwise import get_elementwise
 
 from ..models.llama import attention_heads
+from ..models.checkpoint_files import weight_files
+from ..models.registry import ModelError
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
+from ..models.weight_reader import checkpoint_numel
 from ..models.accounting import num_parameters, weight_bytes
 from ..models.packed_linear import PackedLinear, packing_supported
 from ..models.upcast_linear import UpcastLinear, upcast_supported
@@ -23,7 +26,7 @@ from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs
 from .errors import SettingError
 from .gpu_memory import profile_step
-from .host_malloc import keep_step_memory, release_freed_memory, return_freed_memory_at_once
+from .host_malloc import PrefaultedHeap, keep_step_memory, release_freed_memory, return_freed_memory_at_once
 from .kernel_warmup import compile_attention_kernels, uses_triton
 from .kv_pool import KVPoolSize, kv_cache_budget, size_kv_pool
 from .model_runner import ModelRunner
@@ -67,12 +70,19 @@ def set_up(args: EngineArgs) -> EngineSetup:
     if device.type == "cuda":  # before anything loads: a shape the kernels cannot compile is one clear error
         from transformers import AutoConfig
         check_attention_shape(args, device, dtype.dtype, AutoConfig.from_pretrained(model_dir))
-    tokenizer = load_tokenizer(model_dir)
-    logger.info("dtype %s", dtype.reason)
-    pack = packing_supported(device, dtype.dtype) or upcast_supported(device, dtype.dtype)
-    if device.type == "cpu":  # each layer's plain copy back to the system as soon as it is freed (host_malloc.py)
-        return_freed_memory_at_once()
-    model = load_model(model_dir, dtype.dtype, device, args.quantization, pack)
+    heap = prefaulted_heap(model_dir, device, dtype.dtype, args.quantization)
+    try:
+        tokenizer = load_tokenizer(model_dir)  # while the heap is faulted in: host_malloc.py
+        logger.info("dtype %s", dtype.reason)
+        pack = packing_supported(device, dtype.dtype) or upcast_supported(device, dtype.dtype)
+        if heap is not None and heap.reserved:
+            heap.hand_over()
+        elif device.type == "cpu":  # each layer's plain copy back to the system as soon as it is freed
+            return_freed_memory_at_once()
+        model = load_model(model_dir, dtype.dtype, device, args.quantization, pack)
+    finally:
+        if heap is not None:
+            heap.close()
     if args.quantization:  # said at every run, not only in the README: outputs change
         logger.warning(QUANTIZATION_WARNINGS[args.quantization])
     if pack:
@@ -100,6 +110,19 @@ def set_up(args: EngineArgs) -> EngineSetup:
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention)
     return EngineSetup(device, dtype, attention, tokenizer, model, num_parameters(model), weight_bytes(model), eos,
                        pool, max_model_len, limit, runner)
+
+
+def prefaulted_heap(model_dir, device: torch.device, dtype: torch.dtype,
+                    quantization: str | None) -> PrefaultedHeap | None:
+    """On the CPU, the heap for the weights to come, faulted in beside the tokenizer's loading; not for int8
+    weights, which take a fraction of what is read (the rest would be resident until the load ends)."""
+    if device.type != "cpu" or quantization is not None:
+        return None
+    try:
+        numel = checkpoint_numel(weight_files(model_dir))
+    except (OSError, ValueError, ModelError):  # load_model says what is wrong with the checkpoint
+        return None
+    return PrefaultedHeap(numel * dtype.itemsize)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -17,7 +17,8 @@ from batchgen_kernels import AttentionMetadata
 from batchgen_kernels.elementwise import TorchElementwise
 
 from .attention import Attention
-from .llama import CausalLM, LlamaVariant, RotaryEmbedding, attention_heads, inv_freq_of
+from .llama import (CausalLM, LlamaVariant, RotaryEmbedding, attention_heads, inv_freq_of,
+                    uninitialized_embedding)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -119,7 +120,7 @@ class Gemma3Model(nn.Module):
 
     def __init__(self, config, head_dim: int, num_kv_heads: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, head_dim, num_kv_heads, kind == SLIDING)
                                     for kind in layer_types(config))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)

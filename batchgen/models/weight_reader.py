@@ -19,6 +19,18 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool}
 
 
+def checkpoint_numel(files: list[Path]) -> int:
+    """How many numbers the shards hold, from their headers alone."""
+    total = 0
+    for file in files:
+        reader = ShardReader(file)
+        try:
+            total += sum(math.prod(entry["shape"]) for entry in reader.entries.values())
+        finally:
+            reader.close()
+    return total
+
+
 class ShardReader:
     """One open shard: its header (name → dtype, shape, byte range) and an unbuffered file to read from."""
 
