@@ -41,10 +41,14 @@ def prompts(tmp_path_factory) -> Path:
     return path
 
 
-def write_job(tmp_path: Path, name: str, executor: dict | None, prompts: Path | None = None, **output) -> Path:
-    """jobs/sample.yaml on `prompts` at 20 tokens (on its own file without `prompts`)."""
+def write_job(tmp_path: Path, name: str, executor: dict | None, prompts: Path | None = None,
+              batch_invariant: bool = False, **output) -> Path:
+    """jobs/sample.yaml on `prompts` at 20 tokens (on its own file without `prompts`); in fp32 (bf16 greedy can
+    break a near-tie differently in another batch or cache state), or with `batch_invariant` in bf16."""
     job = json.loads(json.dumps(SAMPLE))
-    job["dtype"] = "float32"  # bf16 greedy can break a near-tie differently in another batch or cache state
+    job["dtype"] = "bfloat16" if batch_invariant else "float32"
+    if batch_invariant:
+        job.setdefault("engine", {})["batch_invariant"] = True
     job["input"]["path"] = str(prompts or ROOT / job["input"]["path"])
     job["sampling"]["max_tokens"] = 20
     job["output"] = {**job["output"], "path": str(tmp_path / name), **output}
@@ -153,6 +157,31 @@ def test_a_driver_killed_mid_run_resumes_with_every_row_once(tmp_path, prompts, 
     assert ours.select(COMPARED).equals(local.select(COMPARED))
     summary = json.loads((out / "_SUCCESS").read_text())
     assert summary["resumed"] and summary["rows_this_run"] == local.height - committed.height
+
+
+@pytest.mark.slow
+def test_batch_invariant_bf16_on_ray_killed_and_resumed_equals_one_local_run(tmp_path, prompts):
+    """README, "Determinism": in bf16, where rows do change with their batch by default, a batch-invariant job run
+    on 2 one-thread Ray replicas in windows of 3 rows, its driver killed with SIGKILL after 2 parts and the job
+    resumed, gives every row exactly the local run's text (one 2-thread engine, all rows in one batch)."""
+    local_done = run_cli(write_job(tmp_path, "local", None, prompts, batch_invariant=True))
+    assert local_done.returncode == 0, local_done.stderr[-3000:]
+    local = read(tmp_path / "local")
+    job = write_job(tmp_path, "out", {"batch_size": 3}, prompts, batch_invariant=True, rows_per_part=2)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_parts(out, 2, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        kill_ray_left_behind(proc.pid)
+    resumed = run_cli(job)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ours = read(out)
+    assert json.loads((out / "_SUCCESS").read_text())["resumed"]
+    assert ours.select(COMPARED).equals(local.select(COMPARED))
 
 
 def test_job_errors_exit_2_before_anything_starts(tmp_path):

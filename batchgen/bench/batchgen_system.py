@@ -10,16 +10,19 @@ from .system_types import QUANTIZATION_LABELS, BenchOptions, RowOutput, SystemRu
 
 
 def run(rows: list, options: BenchOptions, prefix_caching: bool, choice: list[str] | None = None,
-        startup_probe: bool = False) -> SystemRun:
+        startup_probe: bool = False, batch_invariant: bool = False) -> SystemRun:
     """With `choice`: every row is a labeling row answered by exact choice scoring over those labels (greedy), and
-    its output is the label's tokens then EOS, as an unconstrained greedy answer of exactly that label would be."""
+    its output is the label's tokens then EOS, as an unconstrained greedy answer of exactly that label would be.
+    With `batch_invariant`: the engine's batch-invariant mode (its cost is batchgen's time against this one's)."""
     from batchgen.engine import Engine, Request, SamplingParams
     from batchgen.job.input.source import sort_windows
 
-    name = "batchgen-choice" if choice else "batchgen" if prefix_caching else "batchgen-nocache"
+    name = "batchgen-choice" if choice else "batchgen-invariant" if batch_invariant else \
+        "batchgen" if prefix_caching else "batchgen-nocache"
     if choice and any(row.kind != "labeling" for row in rows):
         return SystemRun.unavailable(name, "exact choice scoring answers labeling rows only (--workload labeling)")
-    args = dataclasses.replace(options.engine_args, enable_prefix_caching=prefix_caching)
+    args = dataclasses.replace(options.engine_args, enable_prefix_caching=prefix_caching,
+                               batch_invariant=batch_invariant or options.engine_args.batch_invariant)
     startup = measure_startup(args) if startup_probe else None
     started = time.monotonic()
     engine = Engine(args)

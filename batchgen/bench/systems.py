@@ -16,6 +16,8 @@ RUNNERS: dict[str, Callable[[list, BenchOptions], SystemRun]] = {
     "batchgen-nocache": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=False),
     "batchgen-choice": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=True,
                                                                  choice=LABELING_LABELS),
+    "batchgen-invariant": lambda rows, options: batchgen_system.run(rows, options, prefix_caching=True,
+                                                                    batch_invariant=True),
     "hf-static": hf_static.run,
     "hf-continuous": hf_continuous.run,
     "vllm": vllm_system.run,

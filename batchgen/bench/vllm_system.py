@@ -11,8 +11,10 @@ as a compressed-tensors W8A8 checkpoint (vllm_checkpoint.py); `int8-weight-only`
 Start-up (`startup_s`) is the worker process's spawn to its LLM being ready, as batchgen's (startup_probe.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -23,6 +25,9 @@ from .system_types import QUANTIZATION_LABELS, BenchOptions, RowOutput, SystemRu
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# vLLM gives up on a model step after 300 s (its RPC to the worker times out); a 2,048-token bf16 prefill of a 1B
+# model on a CPU without native bf16 takes about that long. Raised unless the user set it.
+STEP_TIMEOUT_ENV, STEP_TIMEOUT_S = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "7200"
 # batchgen's quantization -> what vLLM runs for it (None: unquantized), and why the others have no counterpart
 VLLM_QUANTIZATIONS = {None: None, "int8": "W8A8 int8: compressed-tensors, per-channel int8 weights (batchgen's "
                                           "own), dynamic per-token int8 activations, LM head unquantized"}
@@ -98,14 +103,21 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
         in_path.write_text(json.dumps(spec))
         bind = threads_bind(options.vllm_threads_bind)
         env = {key: value for key, value in os.environ.items() if key != BIND_ENV}
+        env.setdefault(STEP_TIMEOUT_ENV, STEP_TIMEOUT_S)
         if bind is not None:
             env[BIND_ENV] = bind
         started = time.monotonic()
         with open(log_path, "w") as log:
+            # Its own session: vLLM's engine-core and worker processes outlive a worker that dies of an error,
+            # and would keep both cores busy through the next system's run; they go with its process group.
             worker = subprocess.Popen([options.vllm_python, str(WORKER), str(in_path), str(out_path)],
-                                      stdout=log, stderr=subprocess.STDOUT, env=env)
-            with PeakRSS(worker.pid, children=True) as worker_rss:
-                code = worker.wait()
+                                      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                with PeakRSS(worker.pid, children=True) as worker_rss:
+                    code = worker.wait()
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(worker.pid, signal.SIGKILL)
         total_s = elapsed(started)
         lines = log_path.read_text(errors="replace").strip().splitlines()
         if code != 0 or not out_path.is_file():

@@ -51,6 +51,8 @@ class EngineArgs:
     seed: int = 0  # seeds the seeds drawn for requests that bring none
     quantization: str | None = None  # None | int8 | int8-weight-only: int8 weights for every decoder Linear and the
     # LM head; int8 quantizes the activations too on the CPU (W8A8), int8-weight-only keeps them (needs bf16/fp16)
+    batch_invariant: bool = False  # a row's logits the same whatever its batch, chunking, prefix-cache hit,
+    # preemption or thread count (CPU only; the C++ kernels): every query row through one attention kernel
 
     def cpu_kv_cache_memory(self) -> str | int:
         """The KV budget this engine takes on the CPU (what CPU-side baselines should be given)."""
@@ -85,6 +87,6 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise SettingError("quantization", f"quantization must be null or one of {', '.join(QUANTIZATIONS)}; "
                                                f"got {self.quantization!r}")
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")

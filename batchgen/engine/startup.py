@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from batchgen_kernels import BackendChoice, choose_backend
+from batchgen_kernels import BackendChoice, choose_backend, choose_batch_invariant
 from batchgen_kernels.elementwise import get_elementwise
 
 from ..models.llama import attention_heads
@@ -64,7 +64,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     check_quantization(args.quantization, dtype, device)
-    attention = choose_attention(args.attention_backend, device)  # before the weights load: a failure costs nothing
+    attention = choose_attention(args.attention_backend, device, args.batch_invariant)  # before the weights load
     args = dataclasses.replace(args, attention_backend=attention.name)  # from here on, the kernels chosen
     model_dir = resolve_model(args.model)
     if device.type == "cuda":  # before anything loads: a shape the kernels cannot compile is one clear error
@@ -94,6 +94,15 @@ def set_up(args: EngineArgs) -> EngineSetup:
             logger.info("linear layers: %d bf16 weights multiplied in fp32 (no native bf16 on this CPU)", upcast)
     if device.type == "cpu":  # the loader's freed plain copies back to the system (host_malloc.py)
         release_freed_memory()
+    if args.batch_invariant:  # bf16 Linear layers that switch kernels by row count take one path (upcast_linear.py)
+        if any(window is not None for window in model.sliding_windows()):
+            raise SettingError("batch_invariant", "batch_invariant does not cover sliding-window attention layers "
+                                                  "(this model has some, e.g. Gemma 3's local layers): the prefill "
+                                                  "kernel lays a window's key tiles from its chunk's first row; set "
+                                                  "batch_invariant: false")
+        for module in model.modules():
+            if isinstance(module, UpcastLinear):
+                module.batch_invariant = True
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     eos = eos_token_ids(model_dir, tokenizer)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
@@ -152,10 +161,21 @@ def resolve_dtype(name: str, device: torch.device) -> DtypeChoice:
     return auto_cpu_dtype()
 
 
-def choose_attention(name: str, device: torch.device) -> BackendChoice:
+def choose_attention(name: str, device: torch.device, batch_invariant: bool = False) -> BackendChoice:
     """The attention kernels for attention_backend `name`. Where Triton cannot run (its probe kernel fails: no C
     compiler, no libcuda.so.1, ...), `auto` falls back to the torch reference after one warning naming the cause and
-    the fix, and the choice says so in the run's stats; an explicit `triton` is a SettingError (exit 2)."""
+    the fix, and the choice says so in the run's stats; an explicit `triton` is a SettingError (exit 2). With
+    batch_invariant, its own kernels (batchgen_kernels.cpu_invariant), or a SettingError where they cannot run."""
+    if batch_invariant:
+        if name not in ("auto", "cpu"):
+            raise SettingError("batch_invariant", f"batch_invariant runs its own attention kernels (the C++ CPU "
+                                                  f"ones); attention_backend {name} cannot be honoured with it: "
+                                                  f"set attention_backend: auto")
+        choice = choose_batch_invariant(device)
+        if choice.problem is not None:
+            raise SettingError("batch_invariant", choice.problem)
+        logger.info("attention: %s", choice.reason)
+        return choice
     try:
         choice = choose_backend(device, name)
     except ValueError as exc:  # e.g. the cpu kernels on a CUDA device

@@ -165,6 +165,8 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[s
         **({"quantization": config.engine.quantization} if config.engine.quantization else {}),
         # a shorter context cuts rows short (finish_reason length); absent when unset, for the same reason
         **({"max_model_len": config.engine.max_model_len} if config.engine.max_model_len else {}),
+        # batch-invariant arithmetic gives some rows other bits than the default's; absent when off, as above
+        **({"batch_invariant": True} if config.engine.batch_invariant else {}),
     }
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .packed_linear import PACK_HINT_ROWS
+
 UPCAST_MIN_ROWS = 32  # from here on fp32 beat torch's bf16 kernel on a 1B matmul (2048 -> 16,384; docs/performance.md)
 SLICE_BYTES = 32 << 20  # the widened slice of the weight: bounded, whatever the layer's size
 
@@ -32,21 +34,34 @@ class UpcastLinear(nn.Module):
         self.weight = _parameter(weight)  # this very parameter: a tied head's is the embedding table's
         self.bias = None if bias is None else _parameter(bias)
         self.slice_rows = max(1, SLICE_BYTES // (4 * max(1, self.in_features)))
+        self.batch_invariant = False  # every call in fp32, so that a row's result does not depend on the row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] < UPCAST_MIN_ROWS:
+        rows = x2.shape[0]
+        if rows < UPCAST_MIN_ROWS and not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
         x32 = x2.float()
-        out = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        out = torch.empty(rows, self.out_features, dtype=x.dtype, device=x.device)
         for start in range(0, self.out_features, self.slice_rows):
             end = min(start + self.slice_rows, self.out_features)
             bias = None if self.bias is None else self.bias[start:end].float()
-            out[:, start:end] = F.linear(x32, self.weight[start:end].float(), bias)
+            out[:, start:end] = _linear_fp32(x32, self.weight[start:end].float(), bias, self.batch_invariant)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype=bfloat16, compute=fp32"
+
+
+def _linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
+    """MKL's matmul (F.linear), or where the result must not depend on the row count, oneDNN's on the slice packed
+    for it: MKL gives a row other bits in calls of 1-3, 5-7 and 9-11 rows than in larger ones, and which of them
+    depends on the thread count; oneDNN's packed kernel gave every row the same bits from 1 to 256 rows at 1 and 2
+    threads (docs/architecture.md, "Batch invariance")."""
+    if not invariant:
+        return F.linear(x, weight, bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _parameter(tensor: torch.Tensor) -> nn.Parameter:

@@ -15,10 +15,12 @@ import torch
 from . import reference
 from .metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "BackendChoice", "BackendUnavailable", "choose_backend", "get_backend", "reference"]
+__all__ = ["AttentionMetadata", "BATCH_INVARIANT", "BackendChoice", "BackendUnavailable", "choose_backend",
+           "choose_batch_invariant", "get_backend", "reference"]
 
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
+BATCH_INVARIANT = "cpu-batch-invariant"  # the kernels batch_invariant chooses (cpu_invariant.py); not a user's name
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ def choose_backend(device: torch.device | str, name: str = "auto") -> BackendCho
     kernels (CPU tensors only); `auto` Triton on CUDA, the C++ kernels on the CPU. Triton is probed first (a tiny
     kernel compiled and launched, once per device: triton_probe.py) and the C++ kernels built; where the chosen
     kernels cannot run the choice is the reference, with `problem` saying why."""
+    if name == BATCH_INVARIANT:
+        return choose_batch_invariant(device)
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     device = torch.device(device)
@@ -64,6 +68,20 @@ def choose_backend(device: torch.device | str, name: str = "auto") -> BackendCho
                                                          else f"auto on {device.type}"))
 
 
+def choose_batch_invariant(device: torch.device | str) -> BackendChoice:
+    """The kernels of batch_invariant: the C++ prefill kernel for every query row (cpu_invariant.py). Where they
+    cannot run, the choice says why in `problem` (the engine refuses to start: its promise could not be kept)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return BackendChoice("torch", "torch reference", f"batch_invariant is implemented for the CPU only, not "
+                                                         f"{device.type}: set batch_invariant: false there")
+    from . import cpu_backend
+    if not cpu_backend.available():
+        return BackendChoice("torch", "torch reference", "batch_invariant needs the C++ CPU kernels, which could not "
+                                                         "be built (the warning above says why)")
+    return BackendChoice(BATCH_INVARIANT, "C++ CPU prefill kernel for every query row (batch_invariant)")
+
+
 def get_backend(device: torch.device | str, name: str = "auto") -> ModuleType:
     """The module of choose_backend(device, name); BackendUnavailable when "triton" is asked for and cannot run."""
     choice = choose_backend(device, name)
@@ -75,4 +93,7 @@ def get_backend(device: torch.device | str, name: str = "auto") -> ModuleType:
     if choice.name == "cpu":
         from . import cpu_backend
         return cpu_backend
+    if choice.name == BATCH_INVARIANT:
+        from . import cpu_invariant
+        return cpu_invariant
     return reference

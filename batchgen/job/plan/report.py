@@ -28,7 +28,7 @@ def _job(plan: Plan) -> list[str]:
     return [f"valid: model {model}{where}, {plan.dtype.name} on {plan.device.type} ({plan.dtype.reason}); sort {c.input.sort} "
             f"(window {c.input.sort_window:,}), max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
             f"{e.max_num_batched_tokens:,}, block_size {e.block_size}, prefix cache "
-            f"{'on' if e.enable_prefix_caching else 'off'}"]
+            f"{'on' if e.enable_prefix_caching else 'off'}, batch-invariant {'on' if e.batch_invariant else 'off'}"]
 
 
 def _input(plan: Plan) -> list[str]:

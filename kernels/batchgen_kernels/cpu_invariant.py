@@ -1,0 +1,40 @@
+"""Batch-invariant paged attention on the CPU: every query row of a step — a decode's, a prefill's, a chunk's, one
+after a cached prefix — goes through the one C++ prefill kernel (csrc/paged_prefill_cpu.cpp), decodes as one-row
+prefills.
+
+Why that kernel: its arithmetic for a query row depends only on the row's position and its keys. Each row's keys are
+taken in tiles that start at the sequence's first key (position 0, or its window's start), scored by multiply-adds
+over head_dim in order, and reduced by one thread, so the row comes out bit-identical whichever rows share its call,
+however its prompt was chunked, whether its prefix came from the cache, and at any thread count (measured on the
+rows of a 1,024-token prompt: at once, in two chunks at 16/100/517/1,000, each row alone, 1 and 2 threads). The
+decode kernel (csrc/paged_decode_cpu.cpp) sums its dot products in another order (a transposing tree), so a token
+decoded and the same token recomputed as a prefill after a preemption would differ; the torch reference differs
+with the batch's padding and the flash kernel's split sizes. The AMX prefill kernel is not used: its tiles were not
+measured for this. Stores are the reference's.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu_backend
+from .metadata import AttentionMetadata, kernel_window
+from .reference import store_kv
+
+__all__ = ["available", "paged_attention", "store_kv"]
+
+
+def available() -> bool:
+    return cpu_backend.available()
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """Attention for a whole varlen step ([T, Hq, D]), every sequence as a prefill of its query rows."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    query = q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)  # the kernel takes q in the cache's dtype
+    result = out if query is q else torch.empty(query.shape, dtype=query.dtype)
+    torch.ops.batchgen.paged_prefill_(query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0,
+                                      scale, kernel_window(window), result)
+    if result is not out:
+        out.copy_(result)
+    return out
