@@ -91,6 +91,18 @@ def wait_for_parts(out: Path, count: int, proc: subprocess.Popen, timeout: float
     assert proc.poll() is None, f"the run ended before the kill: {proc.stderr.read()[-3000:]}"
 
 
+def kill_driver_after_parts(job: Path, out: Path, parts: int) -> None:
+    """Run the job until it has committed `parts` run parts, then SIGKILL its driver (and stop its local Ray)."""
+    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_parts(out, parts, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        kill_ray_left_behind(proc.pid)
+
+
 @pytest.fixture(scope="module")
 def local(tmp_path_factory, prompts) -> pl.DataFrame:
     tmp = tmp_path_factory.mktemp("local")
@@ -141,14 +153,7 @@ def test_a_replica_killed_mid_run_loses_and_repeats_nothing(tmp_path, prompts, l
 def test_a_driver_killed_mid_run_resumes_with_every_row_once(tmp_path, prompts, local):
     job = write_job(tmp_path, "out", {"batch_size": 3}, prompts, rows_per_part=2)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_parts(out, 2, proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        kill_ray_left_behind(proc.pid)
+    kill_driver_after_parts(job, out, 2)
     committed = pl.concat([pl.read_parquet(p) for p in out.glob("run-*.parquet")])
     assert 0 < committed.height < local.height and committed["_row"].is_unique().all()
     resumed = run_cli(job)
@@ -169,14 +174,7 @@ def test_batch_invariant_bf16_on_ray_killed_and_resumed_equals_one_local_run(tmp
     local = read(tmp_path / "local")
     job = write_job(tmp_path, "out", {"batch_size": 3}, prompts, batch_invariant=True, rows_per_part=2)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_parts(out, 2, proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        kill_ray_left_behind(proc.pid)
+    kill_driver_after_parts(job, out, 2)
     resumed = run_cli(job)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ours = read(out)

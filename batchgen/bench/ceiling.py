@@ -13,16 +13,24 @@ SLOW_MATMUL_S = 2.0  # a warm-up matmul slower than this: the kernel is timed tw
 
 def matmul_flops(n: int = 2048, reps: int = 5, dtype: str = "float32") -> dict:
     """Best-of-`reps` FLOP/s of an n x n matmul in `dtype`, with the thread count torch uses for everything else:
-    the faster of torch's default matmul (`torch.mm`; MKL for fp32) and the oneDNN packed kernel batchgen's CPU
-    linear layers use (models/packed_linear.py), whichever the machine runs faster: that is its matmul rate."""
+    the fastest of torch's default matmul (`torch.mm`; MKL for fp32), the oneDNN packed kernel batchgen's CPU
+    linear layers use (models/packed_linear.py) or, for bf16 on a CPU without native bf16, instead of torch.mm (its
+    bf16 fallback: ~0.3 GFLOP/s there) the fp32 path batchgen's bf16 layers take (models/upcast_linear.py),
+    whichever the machine runs faster: that is its matmul rate."""
     import torch
 
     from batchgen.models.packed_linear import PackedLinear, packing_supported
+    from batchgen.models.upcast_linear import UpcastLinear, upcast_supported
 
     torch_dtype = getattr(torch, dtype)
     a = torch.randn(n, n).to(torch_dtype)
     b = torch.randn(n, n).to(torch_dtype)
-    kernels = {"torch.mm": lambda: torch.mm(a, b)}
+    kernels = {}
+    if upcast_supported(torch.device("cpu"), torch_dtype):  # torch.mm's fallback would take minutes, for nothing
+        upcast = UpcastLinear(b, None)
+        kernels["upcast to fp32"] = lambda: upcast(a)
+    else:
+        kernels["torch.mm"] = lambda: torch.mm(a, b)
     if packing_supported(torch.device("cpu"), torch_dtype):
         packed = PackedLinear(b, None)
         kernels["onednn packed"] = lambda: packed(a)
