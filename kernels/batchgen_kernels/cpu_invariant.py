@@ -30,11 +30,7 @@ def available() -> bool:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
                     scale: float, window: int | None = None) -> torch.Tensor:
     """Attention for a whole varlen step ([T, Hq, D]), every sequence as a prefill of its query rows."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    query = q if q.dtype == k_cache.dtype else q.to(k_cache.dtype)  # the kernel takes q in the cache's dtype
-    result = out if query is q else torch.empty(query.shape, dtype=query.dtype)
-    torch.ops.batchgen.paged_prefill_(query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0,
-                                      scale, kernel_window(window), result)
-    if result is not out:
-        out.copy_(result)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is in the cache's dtype: the model's
+    torch.ops.batchgen.paged_prefill_(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0,
+                                      scale, kernel_window(window), out)
     return out
