@@ -2,7 +2,7 @@
 "Batch invariance". Each probe computes rows in calls of different sizes (and at 1 and 2 threads) and compares them
 with torch.equal; it prints where they differ.
 
-    python scripts/batch_invariance_probe.py linear      # oneDNN packed, MKL (F.linear), UpcastLinear, int8
+    python scripts/batch_invariance_probe.py linear      # oneDNN packed (fp32; bf16 where supported), MKL, UpcastLinear, int8
     python scripts/batch_invariance_probe.py attention   # torch reference and C++ decode/prefill kernels
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ def differing(fn, x: torch.Tensor, sizes) -> list[int]:
 
 
 def linears() -> None:
-    from batchgen.models.packed_linear import PackedLinear
+    from batchgen.models.packed_linear import PackedLinear, packing_supported
     from batchgen.models.quantization import Int8Linear
     from batchgen.models.upcast_linear import UpcastLinear
 
@@ -39,6 +39,8 @@ def linears() -> None:
                  "torch bf16 (F.linear)": (lambda t: torch.nn.functional.linear(t, wb.weight), x.to(torch.bfloat16)),
                  "int8 W8A8": (Int8Linear.from_linear(plain, "dynamic_int8"), x),
                  "int8 weight-only bf16": (Int8Linear.from_linear(wb, "weight_only"), x.to(torch.bfloat16))}
+        if packing_supported(torch.device("cpu"), torch.bfloat16):  # oneDNN takes bf16 only on AVX-512 or newer
+            cases["oneDNN packed bf16"] = (PackedLinear(wb.weight.data, None), x.to(torch.bfloat16))
         for name, (fn, inputs) in cases.items():
             for threads in (2, 1):
                 torch.set_num_threads(threads)

@@ -167,6 +167,7 @@ def test_a_damaged_cached_conversion_is_converted_again(tmp_path, default_model_
                  timeout=600)
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
     assert f"the converted model {entry} in batchgen's cache is damaged" in result.stderr
+    assert "Converting" not in result.stderr and "it/s" not in result.stderr  # no progress bars in a log
     if command == "run":
         assert_complete(result, tmp_path / "out")
     manifest = json.loads((entry / "batchgen-manifest.json").read_text())["files"]

@@ -94,14 +94,9 @@ def set_up(args: EngineArgs) -> EngineSetup:
             logger.info("linear layers: %d bf16 weights multiplied in fp32 (no native bf16 on this CPU)", upcast)
     if device.type == "cpu":  # the loader's freed plain copies back to the system (host_malloc.py)
         release_freed_memory()
-    if args.batch_invariant:  # bf16 Linear layers that switch kernels by row count take one path (upcast_linear.py)
-        if any(window is not None for window in model.sliding_windows()):
-            raise SettingError("batch_invariant", "batch_invariant does not cover sliding-window attention layers "
-                                                  "(this model has some, e.g. Gemma 3's local layers): the prefill "
-                                                  "kernel lays a window's key tiles from its chunk's first row; set "
-                                                  "batch_invariant: false")
+    if args.batch_invariant:  # Linear layers that switch kernels by row count take one path (packed/upcast_linear.py)
         for module in model.modules():
-            if isinstance(module, UpcastLinear):
+            if isinstance(module, (PackedLinear, UpcastLinear)):
                 module.batch_invariant = True
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     eos = eos_token_ids(model_dir, tokenizer)

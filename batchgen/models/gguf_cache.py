@@ -12,6 +12,7 @@ import os
 import shutil
 import struct
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -189,6 +190,30 @@ def _discard(entry: Path, root: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+@contextmanager
+def _no_progress_bars():
+    """Without transformers' progress bars while converting: they would reach stderr under `--quiet` and fill logs
+    (the INFO line before the conversion says what is happening). Its GGUF reader draws its per-tensor bar with tqdm
+    directly, past transformers' own switch, so that one is swapped for a silent tqdm meanwhile."""
+    from functools import partial
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_reader
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on, reader_bar = hf_logging.is_progress_bar_enabled(), getattr(gguf_reader, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if reader_bar is not None:
+        gguf_reader.tqdm = partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if reader_bar is not None:
+            gguf_reader.tqdm = reader_bar
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize `gguf` through transformers and write config, generation config, fp32 safetensors and tokenizer.
 
@@ -205,8 +230,10 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     except ImportError:
         pass
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                         **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except MemoryError:
         raise
     except Exception as exc:  # transformers and gguf raise many types for a file they cannot read

@@ -31,12 +31,25 @@ class PackedLinear(nn.Module):
         self.dtype = weight.dtype
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.batch_invariant = False  # a one-row call takes the many-row kernel too (packed_linear_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return packed_linear_rows(x, self.packed_weight, self.bias, self.batch_invariant)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed=onednn"
+
+
+def packed_linear_rows(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                       batch_invariant: bool) -> torch.Tensor:
+    """oneDNN's packed matmul. On AVX-512 CPUs it takes another kernel (a GEMV) for a single row, whose bits differ
+    from that row's in any larger call (fp32 at every shape probed, bf16 at some: scripts/batch_invariance_probe.py);
+    from 2 rows on a row's bits do not depend on the row count. So where they must not, one row is computed as two."""
+    if batch_invariant and x.numel() == x.shape[-1]:
+        pair = x.reshape(1, -1).expand(2, -1).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(pair, packed_weight, bias, "none", [], "")[:1]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packed_linear import PACK_HINT_ROWS
+from .packed_linear import PACK_HINT_ROWS, packed_linear_rows
 
 UPCAST_MIN_ROWS = 32  # from here on fp32 beat torch's bf16 kernel on a 1B matmul (2048 -> 16,384; docs/performance.md)
 SLICE_BYTES = 32 << 20  # the widened slice of the weight: bounded, whatever the layer's size
@@ -56,12 +56,12 @@ class UpcastLinear(nn.Module):
 def _linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool) -> torch.Tensor:
     """MKL's matmul (F.linear), or where the result must not depend on the row count, oneDNN's on the slice packed
     for it: MKL gives a row other bits in calls of 1-3, 5-7 and 9-11 rows than in larger ones, and which of them
-    depends on the thread count; oneDNN's packed kernel gave every row the same bits from 1 to 256 rows at 1 and 2
-    threads (docs/architecture.md, "Batch invariance")."""
+    depends on the thread count; oneDNN's packed kernel gives every row the same bits from 2 rows on at 1 and 2
+    threads, and a single row is computed as two (docs/architecture.md, "Batch invariance")."""
     if not invariant:
         return F.linear(x, weight, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return packed_linear_rows(x, packed, bias, batch_invariant=True)
 
 
 def _parameter(tensor: torch.Tensor) -> nn.Parameter:

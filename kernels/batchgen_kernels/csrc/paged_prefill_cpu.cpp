@@ -11,9 +11,9 @@
 // are bf16 dot products (vdpbf16ps) instead: K and V are packed as raw bf16 pairs (pack_pairs) and the
 // probabilities rounded to bf16 before P x V, as flash attention does; sums stay fp32. Only keys at positions <
 // seq_len are read. With a sliding window (window > 0) a row sees its last `window` positions: an item packs keys
-// from its first row's window start, a query tile starts at the key tile holding its first row's, and each row is
-// masked below too. Items are handed out longest first (dynamic schedule): their costs differ by the length of
-// their key range.
+// from the key tile holding its first row's window start (zeros before that start), a query tile starts at the key
+// tile holding its first row's, and each row is masked below too. Items are handed out longest first (dynamic
+// schedule): their costs differ by the length of their key range.
 // Registered as torch.ops.batchgen.paged_prefill_ (writes into `out`; its fake implementation is in Python).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -204,8 +204,8 @@ struct Prefill {
   }
 
   // Keys [base, key_end) of one head as fp32 (packed key i is position base + i), in tiles of kKeys: K transposed
-  // (tile t at kt + t * dim * kKeys, [dim][kKeys]) and V as rows (v + i * padded_dim), zeros past key_end and past
-  // dim. Packed once per item and read by all of its query tiles, from the thread's cache rather than from wherever
+  // (tile t at kt + t * dim * kKeys, [dim][kKeys]) and V as rows (v + i * padded_dim), zeros before `first`, past
+  // key_end and past dim. Packed once per item and read by all of its query tiles, from the thread's cache rather than from wherever
   // the blocks lie.
   void prefetch(const KV* row) const {
     const char* bytes = reinterpret_cast<const char*>(row);
@@ -213,9 +213,9 @@ struct Prefill {
       __builtin_prefetch(bytes + offset, 0, 3);
   }
 
-  void pack(int64_t seq, int64_t head, int64_t base, int64_t key_end, Scratch& w) const {
+  void pack(int64_t seq, int64_t head, int64_t base, int64_t first, int64_t key_end, Scratch& w) const {
     const int64_t tiles = (key_end - base + kKeys - 1) / kKeys, keys = tiles * kKeys;
-    if (dot()) return pack_pairs(seq, head, base, key_end, keys, w);
+    if (dot()) return pack_pairs(seq, head, base, first, key_end, keys, w);
     if (static_cast<int64_t>(w.v.size()) < keys * padded_dim) {
       w.kt.resize(keys * dim);
       w.v.resize(keys * padded_dim);
@@ -224,11 +224,11 @@ struct Prefill {
       float* kt = w.kt.data() + (key / kKeys) * kKeys * dim + key % kKeys;  // column key % kKeys of its tile
       float* v_dst = w.v.data() + key * padded_dim;
       const int64_t pos = base + key;
-      if (pos + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
+      if (first <= pos + kPrefetch && pos + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
         prefetch(cache_row(k_base, seq, head, pos + kPrefetch));
         prefetch(cache_row(v_base, seq, head, pos + kPrefetch));
       }
-      if (pos < key_end) {
+      if (first <= pos && pos < key_end) {
         const KV* k_row = cache_row(k_base, seq, head, pos);
         const KV* v_row = cache_row(v_base, seq, head, pos);
         for (int64_t d = 0; d < dim; ++d) kt[d * kKeys] = as_float(k_row[d]);
@@ -243,7 +243,8 @@ struct Prefill {
 
   // pack() for the bf16 dot products, moving the raw bf16 bits: K as [tile][dim / 2][kKeys] words (a pair of dims
   // of one key), V as [key / 2][padded_dim] words (one dim of a pair of keys).
-  void pack_pairs(int64_t seq, int64_t head, int64_t base, int64_t key_end, int64_t keys, Scratch& w) const {
+  void pack_pairs(int64_t seq, int64_t head, int64_t base, int64_t first, int64_t key_end, int64_t keys,
+                  Scratch& w) const {
     const int64_t pairs = dim / 2;
     if (static_cast<int64_t>(w.v_pairs.size()) < keys / 2 * padded_dim) {
       w.kt_pairs.resize(keys * pairs);
@@ -254,11 +255,11 @@ struct Prefill {
       uint32_t* kt = w.kt_pairs.data() + (key / kKeys) * kKeys * pairs + key % kKeys;
       uint16_t* v_dst = v_halves + (key / 2) * padded_dim * 2 + key % 2;  // then every other half-word
       const int64_t pos = base + key;
-      if (pos + kPrefetch < key_end) {
+      if (first <= pos + kPrefetch && pos + kPrefetch < key_end) {
         prefetch(cache_row(k_base, seq, head, pos + kPrefetch));
         prefetch(cache_row(v_base, seq, head, pos + kPrefetch));
       }
-      if (pos < key_end) {
+      if (first <= pos && pos < key_end) {
         const char* k_bytes = reinterpret_cast<const char*>(cache_row(k_base, seq, head, pos));
         const uint16_t* v_row = reinterpret_cast<const uint16_t*>(cache_row(v_base, seq, head, pos));
         for (int64_t i = 0; i < pairs; ++i) std::memcpy(kt + i * kKeys, k_bytes + 4 * i, 4);

@@ -55,13 +55,16 @@ inline std::vector<Item> prefill_items(const int32_t* lens, const int32_t* start
 }
 
 // One work item of a kernel (its lens, starts, window, pack() and attend()): pack the keys its rows can see, from its
-// first row's window start to its last row, then attend its query tiles of kTileRows positions.
+// first row's window start to its last row, then attend its query tiles of kTileRows positions. The packed keys start
+// at a multiple of kTileKeys (zeros before the window start, which may lie in a block already freed): a row's key
+// tiles are then the same whichever item holds it, so its sums run in the same order however its prompt was chunked
+// or split into items (batch_invariant relies on it; a tile wholly before a row's window leaves its softmax as it was).
 template <typename Kernel, typename Scratch>
 void run_item(const Kernel& kernel, const Item& item, Scratch& w) {
   const int64_t seq = item.seq, head = item.head;
   const int64_t q_len = kernel.starts[seq + 1] - kernel.starts[seq], prefix = kernel.lens[seq] - q_len;
-  const int64_t base = window_start(prefix + item.row_begin, kernel.window);
-  kernel.pack(seq, head, base, prefix + item.row_end, w);
+  const int64_t first = window_start(prefix + item.row_begin, kernel.window), base = first / kTileKeys * kTileKeys;
+  kernel.pack(seq, head, base, first, prefix + item.row_end, w);
   for (int64_t row = item.row_begin; row < item.row_end; row += kTileRows) kernel.attend(seq, head, row, base, w);
 }
 

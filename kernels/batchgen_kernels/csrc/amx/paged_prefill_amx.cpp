@@ -80,9 +80,9 @@ struct PrefillAmx {
     for (int64_t offset = 0; offset < dim * 2; offset += 64) __builtin_prefetch(amx::bytes(row, offset), 0, 3);
   }
 
-  // Keys [base, key_end) of one head, packed key i being position base + i, in whole tiles of kTileKeys: zeros past
-  // key_end and past dim.
-  void pack(int64_t seq, int64_t head, int64_t base, int64_t key_end, Scratch& w) const {
+  // Keys [base, key_end) of one head, packed key i being position base + i, in whole tiles of kTileKeys: zeros before
+  // `first`, past key_end and past dim.
+  void pack(int64_t seq, int64_t head, int64_t base, int64_t first, int64_t key_end, Scratch& w) const {
     const int64_t keys = (key_end - base + kTileKeys - 1) / kTileKeys * kTileKeys, pairs = padded_dim / 2;
     if (static_cast<int64_t>(w.kt.size()) < keys * pairs) {
       w.kt.resize(keys * pairs);
@@ -95,12 +95,13 @@ struct PrefillAmx {
       uint16_t* k_dst = kt_halves + 2 * ((key / kTileKeys) * kTileKeys * pairs + key % kTileKeys);
       uint16_t* v_dst = v_halves + 2 * (key / 2) * padded_dim + key % 2;
       const int64_t pos = base + key;
-      if (pos + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
+      if (first <= pos + kPrefetch && pos + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
         prefetch(cache_row(k_base, seq, head, pos + kPrefetch));
         prefetch(cache_row(v_base, seq, head, pos + kPrefetch));
       }
-      const uint16_t* k_row = pos < key_end ? cache_row(k_base, seq, head, pos) : nullptr;
-      const uint16_t* v_row = pos < key_end ? cache_row(v_base, seq, head, pos) : nullptr;
+      const bool read = first <= pos && pos < key_end;
+      const uint16_t* k_row = read ? cache_row(k_base, seq, head, pos) : nullptr;
+      const uint16_t* v_row = read ? cache_row(v_base, seq, head, pos) : nullptr;
       for (int64_t d = 0; d < padded_dim; ++d) {
         const bool real = k_row != nullptr && d < dim;
         k_dst[2 * kTileKeys * (d / 2) + d % 2] = real ? k_row[d] : 0;
