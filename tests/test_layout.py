@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "batchgen"
 MAX_LINES = 400
 # Lowest first: a module may import its own layer and those below it, never one above.
-LAYERS = ("batchgen.machine", "batchgen.user_files", "batchgen.models", "batchgen.engine", "batchgen.job",
-          "batchgen.bench", "batchgen.cli")
+LAYERS = ("batchgen.machine", "batchgen.user_files", "batchgen.object_store", "batchgen.models", "batchgen.engine",
+          "batchgen.job", "batchgen.bench", "batchgen.cli")
 
 
 def module_name(path: Path) -> str:

@@ -22,6 +22,7 @@ from batchgen.engine.errors import SettingError
 from batchgen.engine.request import CONSTRAINT_KEYS, SamplingParams
 from batchgen.engine.structured import check_constraint
 
+from batchgen.object_store import StorageConfig
 from batchgen.user_files import SCHEMA_FILE_LIMIT, UserFileError, read_user_text
 
 from .job_file import read_job_file
@@ -126,6 +127,7 @@ class JobConfig:
     sampling: SamplingConfig
     engine: EngineArgs  # validated; holds the job's top-level model, dtype and device too (do not mutate)
     executor: ExecutorConfig = ExecutorConfig()
+    storage: StorageConfig = StorageConfig()
 
     @property
     def model(self) -> str:
@@ -145,7 +147,7 @@ class JobConfig:
         top = {key: engine.pop(key) for key in TOP_LEVEL_KEYS}
         return plain({"input": dataclasses.asdict(self.input), "output": dataclasses.asdict(self.output), **top,
                       "sampling": dataclasses.asdict(self.sampling), "engine": engine,
-                      "executor": dataclasses.asdict(self.executor)})
+                      "executor": dataclasses.asdict(self.executor), "storage": dataclasses.asdict(self.storage)})
 
 
 # engine.sort is the deprecated spelling of input.sort.
@@ -161,6 +163,7 @@ JOB_KEYS = {
     "sampling": (SAMPLING_KEYS, False),
     "engine": (ENGINE_KEYS, False),
     "executor": (ExecutorConfig, False),
+    "storage": (StorageConfig, False),
 }
 
 
@@ -245,6 +248,7 @@ def _check(config: JobConfig) -> None:
     _validate(config.sampling.params(), "sampling")
     _check_output(config.output)
     _check_executor(config.executor)
+    _check_storage(config.storage)
     if config.output.parse_json and config.sampling.json_schema is None:
         raise JobConfigError("output.parse_json: needs sampling.json_schema (or sampling.json_schema_file): the "
                              "json column is typed from it")
@@ -367,6 +371,15 @@ def _check_executor(cfg: ExecutorConfig) -> None:
         raise JobConfigError("executor.batch_size: must be at least 1")
     if cfg.address is not None and not cfg.address.strip():
         raise JobConfigError("executor.address: must not be empty (leave it out for RAY_ADDRESS or a local Ray)")
+
+
+def _check_storage(cfg: StorageConfig) -> None:
+    if cfg.endpoint_url is not None and not cfg.endpoint_url.startswith(("http://", "https://")):
+        raise JobConfigError(f"storage.endpoint_url: {cfg.endpoint_url!r} must start with http:// or https://")
+    if cfg.max_retries < 0:
+        raise JobConfigError("storage.max_retries: must not be negative")
+    if not cfg.timeout_s > 0:
+        raise JobConfigError("storage.timeout_s: must be positive")
 
 
 def _check_output(cfg: OutputConfig) -> None:

@@ -17,6 +17,7 @@ import pyarrow as pa
 from batchgen.engine.engine_args import EngineArgs
 from batchgen.engine.kv_pool import kv_cache_budget
 from batchgen.machine import available_memory
+from batchgen.object_store import RemoteFile
 
 from .config import JobConfig, JobConfigError
 from .input.files import InputFiles, inspect_input
@@ -178,7 +179,8 @@ def resolved_dtype(config: JobConfig):
 
 
 def input_files(inputs: InputFiles) -> list[dict[str, Any]]:
-    return [{"path": str(path.resolve()), "rows": rows, **input_identity(path)}
+    return [{"path": str(path) if isinstance(path, RemoteFile) else str(path.resolve()), "rows": rows,
+             **input_identity(path)}
             for path, rows in zip(inputs.files, inputs.row_counts)]
 
 

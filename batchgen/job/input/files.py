@@ -3,7 +3,6 @@ their types, the template's format specs, and every value of those columns decod
 error, not a failure hours into the run)."""
 from __future__ import annotations
 
-import fnmatch
 import glob
 import os
 import typing
@@ -13,17 +12,19 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchgen.engine.request import SamplingParams
+from batchgen.object_store import (ObjectNotFound, RemoteFile, StorageConfig, glob_matches, is_remote, list_input,
+                                   obstore_missing)
 from batchgen.user_files import UserFileError, check_regular_file
 
 from ..config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
-from .parquet_read import InputReadError, first_line, open_parquet, scan_file
+from .parquet_read import InputFile, InputReadError, first_line, open_parquet, scan_file
 
 
 @dataclass(frozen=True)
 class InputFiles:
     """The job's input as found on disk, checked against the job before anything is read."""
 
-    files: tuple[Path, ...]
+    files: tuple[InputFile, ...]  # a local Path, or a RemoteFile (object storage)
     row_counts: tuple[int, ...]
     column_types: dict[str, pa.DataType]  # every column of any file (types agree where the job reads them)
 
@@ -34,9 +35,21 @@ class InputFiles:
 
 # -- finding and checking the input -------------------------------------------------------------------------------
 
-def find_input_files(path: str) -> list[Path]:
+def find_input_files(path: str, storage: StorageConfig = StorageConfig()) -> list[InputFile]:
     """A file, a directory (its *.parquet files, recursively, skipping hidden and _-prefixed names as pyarrow
-    does) or a glob of files and directories (e.g. hive partitions: data/date=2026-*); sorted by path."""
+    does) or a glob of files and directories (e.g. hive partitions: data/date=2026-*); sorted by path. The same
+    in object storage (s3://bucket/prefix, ...: a prefix is a directory there)."""
+    if is_remote(path):
+        missing = obstore_missing("input.path", path)
+        if missing:
+            raise JobConfigError(missing)
+        try:
+            files = list_input(path, storage)
+        except ObjectNotFound:
+            files = []
+        if not files:
+            raise JobConfigError(f"input.path: no Parquet objects found at {path}")
+        return files
     root = Path(path).expanduser()
     if root.is_file():
         return [root]
@@ -71,6 +84,11 @@ def check_output_outside_input(input_path: str, output_path: str) -> None:
     """Refuse an output directory that the input reads from (inside an input directory, or matched by an input
     glob): a resume or a re-run would read its parts as input rows. Real paths are compared: a symlink on either
     side does not hide it."""
+    if is_remote(output_path):
+        raise JobConfigError(f"output.path: {output_path}: object-store outputs are not supported yet (inputs are); "
+                             f"write to a local path")
+    if is_remote(input_path):
+        return
     out = Path(os.path.realpath(Path(output_path).expanduser()))
     root = Path(os.path.realpath(Path(input_path).expanduser()))
     if root.is_dir():
@@ -78,7 +96,7 @@ def check_output_outside_input(input_path: str, output_path: str) -> None:
     elif glob.has_magic(input_path):  # the glob matches a part file, or the output or a folder above it
         candidates = [out / "part-00000.parquet", out / "run-00000.parquet", out, *out.parents]
         patterns = {root.parts, Path(os.path.abspath(Path(input_path).expanduser())).parts}
-        inside = any(_glob_matches(pattern, candidate.parts) for pattern in patterns for candidate in candidates)
+        inside = any(glob_matches(pattern, candidate.parts) for pattern in patterns for candidate in candidates)
     else:
         return
     if inside:
@@ -86,31 +104,23 @@ def check_output_outside_input(input_path: str, output_path: str) -> None:
                              f"its parts as input rows; choose an output.path outside it")
 
 
-def check_input_outside_output(files: list[Path], output_path: str) -> None:
+def check_input_outside_output(files: list[InputFile], output_path: str) -> None:
     """Refuse input files inside the output directory (say, an earlier job's parts read from where this job
     writes): --overwrite would delete the input, a re-run would read this job's own rows."""
     out = Path(os.path.realpath(Path(output_path).expanduser()))
     for path in files:
+        if isinstance(path, RemoteFile):
+            continue
         if out in Path(os.path.realpath(path)).parents:
             raise JobConfigError(f"input.path: {path} is inside output.path ({output_path}), where this job writes; "
                                  f"copy it elsewhere or choose another output.path")
-
-
-def _glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
-    """Whether glob.glob(pattern, recursive=True) would match the path `parts`, one component at a time."""
-    if not pattern:
-        return not parts
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_glob_matches(rest, parts[i:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], head) and _glob_matches(rest, parts[1:])
 
 
 def inspect_input(config: JobConfig) -> InputFiles:
     """Open every file's footer and check that the columns the job names exist, with one type across files and
     one the template's format specs suit; then decode the job's columns once (scan_input)."""
     check_output_outside_input(config.input.path, config.output.path)
-    files = find_input_files(config.input.path)
+    files = find_input_files(config.input.path, config.storage)
     check_input_outside_output(files, config.output.path)
     row_counts, types = check_footers(config, files)
     if config.input.template is not None:
@@ -120,7 +130,7 @@ def inspect_input(config: JobConfig) -> InputFiles:
     return inputs
 
 
-def check_footers(config: JobConfig, files: list[Path]) -> tuple[list[int], dict[str, pa.DataType]]:
+def check_footers(config: JobConfig, files: list[InputFile]) -> tuple[list[int], dict[str, pa.DataType]]:
     """Each file's row count, and the type of every column (checked to agree across files where the job reads it)."""
     row_counts, types, seen_in = [], {}, {}
     read = {column for _, column in required_columns(config)} | set(ROW_SAMPLING_KEYS)
@@ -147,7 +157,7 @@ def check_footers(config: JobConfig, files: list[Path]) -> tuple[list[int], dict
     return row_counts, types
 
 
-def check_prompt_column_types(config: JobConfig, schema: pa.Schema, path: Path) -> None:
+def check_prompt_column_types(config: JobConfig, schema: pa.Schema, path: InputFile) -> None:
     """The columns a prompt is made of must hold text (a messages column: a list of {role, content} structs);
     any other type would fail every row, after the model loaded. An all-null column is let through: its rows
     are row errors."""
@@ -164,7 +174,7 @@ def check_prompt_column_types(config: JobConfig, schema: pa.Schema, path: Path) 
                                  f"it must hold {expected}")
 
 
-def check_row_sampling_types(schema: pa.Schema, path: Path) -> None:
+def check_row_sampling_types(schema: pa.Schema, path: InputFile) -> None:
     """A per-row sampling column must hold its key's type (a number, a string, or for choice a list of strings):
     any other would make every row an error row after the model loaded, or worse, a string choice read as a list
     of its characters. An all-null column is let through (every row keeps the job's value)."""

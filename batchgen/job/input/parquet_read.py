@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from batchgen.object_store import RemoteFile, StoreError
 
 
 class InputReadError(Exception):
@@ -27,13 +29,17 @@ class Unreadable:
     problem: str  # follows the value's name: "is not valid UTF-8"
 
 
-def open_parquet(path: Path) -> pq.ParquetFile:
+InputFile = Union[Path, RemoteFile]  # a local file, or an object in object storage (batchgen/object_store.py)
+
+
+def open_parquet(path: InputFile) -> pq.ParquetFile:
     # pyarrow's default pre_buffer=True reads every selected column chunk of the file up front: memory would grow
-    # with the input. Buffered reads of 1 MiB keep it to about a record batch.
-    return pq.ParquetFile(path, page_checksum_verification=True, pre_buffer=False, buffer_size=1 << 20)
+    # with the input. Buffered reads of 1 MiB keep it to about a record batch (an object: range reads of as much).
+    source = path.open() if isinstance(path, RemoteFile) else path
+    return pq.ParquetFile(source, page_checksum_verification=True, pre_buffer=False, buffer_size=1 << 20)
 
 
-def file_batches(path: Path, columns: list[str], batch_rows: int, expected_rows: int) -> Iterator[pa.RecordBatch]:
+def file_batches(path: InputFile, columns: list[str], batch_rows: int, expected_rows: int) -> Iterator[pa.RecordBatch]:
     """The file's record batches of those of `columns` it has. Raises InputReadError when its data cannot be
     decoded or it holds other than `expected_rows` rows."""
     rows = 0
@@ -45,6 +51,8 @@ def file_batches(path: Path, columns: list[str], batch_rows: int, expected_rows:
             if rows > expected_rows:
                 break
             yield batch
+    except StoreError:  # the store, not the file: a runtime failure that a re-run resumes from
+        raise
     except (pa.ArrowException, OSError) as exc:  # what pyarrow raises for a bad page, header or length
         raise InputReadError(f"input.path: {path} is corrupt: reading it failed after {rows} rows "
                              f"({first_line(exc)})") from None
@@ -53,7 +61,7 @@ def file_batches(path: Path, columns: list[str], batch_rows: int, expected_rows:
                              f"but its data holds {'more' if rows > expected_rows else rows}")
 
 
-def file_range(path: Path, columns: list[str], start: int, stop: int) -> Iterator[pa.RecordBatch]:
+def file_range(path: InputFile, columns: list[str], start: int, stop: int) -> Iterator[pa.RecordBatch]:
     """Rows [start, stop) of the file (of those of `columns` it has), reading only the row groups that hold them.
     The file was checked by the whole-file scan before the run; this reads it again, a window at a time."""
     try:
@@ -69,12 +77,14 @@ def file_range(path: Path, columns: list[str], start: int, stop: int) -> Iterato
             first = end
             if first >= stop:
                 break
+    except StoreError:
+        raise
     except (pa.ArrowException, OSError) as exc:
         raise InputReadError(f"input.path: {path} is corrupt: reading rows {start}-{stop} failed "
                              f"({first_line(exc)})") from None
 
 
-def scan_file(path: Path, columns: list[str], batch_rows: int, expected_rows: int) -> None:
+def scan_file(path: InputFile, columns: list[str], batch_rows: int, expected_rows: int) -> None:
     """Decode every value of `columns` once (memory: one record batch), so a corrupt file is refused before the
     model loads rather than in the middle of the run."""
     for _ in file_batches(path, columns, batch_rows, expected_rows):

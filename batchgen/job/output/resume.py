@@ -13,16 +13,22 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
+from batchgen.object_store import RemoteFile
+
 from ..config import JobConfigError
+from ..input.parquet_read import InputFile
 from .sink import FINGERPRINT_KEY, RUN_PART, TMP_SUFFIX, DamagedFileError, OutputDir
 
 # The Parquet tail: a 4-byte little-endian footer length, then the magic bytes.
 _TAIL = 8
 
 
-def input_identity(path: Path) -> dict[str, Any]:
+def input_identity(path: InputFile) -> dict[str, Any]:
     """What makes an input file the same file for a resume: its size, modification time and a hash of its Parquet
-    footer (schema, row groups, column statistics), which changes with the content without reading the data."""
+    footer (schema, row groups, column statistics), which changes with the content without reading the data. An
+    object's: its size and ETag (a rewritten object gets a new one)."""
+    if isinstance(path, RemoteFile):
+        return path.identity()
     try:
         stat = path.stat()
         with open(path, "rb") as file:
@@ -148,11 +154,13 @@ def file_diff(old: dict, new: dict) -> str:
         diffs.append(f"{old['rows']} -> {new['rows']} rows")
     if old["size"] != new["size"]:
         diffs.append(f"{old['size']} -> {new['size']} bytes")
-    if old["mtime_ns"] != new["mtime_ns"]:
+    if old.get("mtime_ns") != new.get("mtime_ns") and "mtime_ns" in old and "mtime_ns" in new:
         diffs.append(f"modified {_when(old['mtime_ns'])} -> {_when(new['mtime_ns'])}")
-    if old["footer_sha256"] != new["footer_sha256"]:
+    if old.get("footer_sha256") != new.get("footer_sha256") and "footer_sha256" in old and "footer_sha256" in new:
         diffs.append("other Parquet footer (schema, row groups or statistics)")
-    return ", ".join(diffs)
+    if old.get("etag") != new.get("etag"):  # an object in object storage: rewritten
+        diffs.append(f"ETag {old.get('etag')} -> {new.get('etag')}")
+    return ", ".join(diffs) or "its identity differs"
 
 
 def _when(mtime_ns: int) -> str:

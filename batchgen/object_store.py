@@ -1,0 +1,239 @@
+"""Object storage — `s3://bucket/key`, `gs://`, `az://` — through obstore (the `s3` extra): list what an input path
+names, read an object's byte ranges as a file pyarrow can take, and say what makes an object the same object for a
+resume (its size and ETag).
+
+Why obstore (scripts/object_store_bench.py, docs/object-storage.md): it is the one of pyarrow's S3FileSystem, fsspec
++ s3fs and obstore that does both conditional writes the output's commit protocol needs (create only if absent,
+If-None-Match; replace only the version read, If-Match), it wrote parts fastest, and it reads row groups by range.
+
+Credentials and endpoints come from the standard places: the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_SESSION_TOKEN, AWS_REGION / AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, web identity), the
+instance's or container's metadata service; the job's `storage:` section sets what a pipeline sets per job (endpoint,
+region, anonymous access, addressing style). No message batchgen writes holds a credential: `redact` removes the
+environment's from any text that reaches an error or a log.
+"""
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import io
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+SCHEMES = ("s3://", "gs://", "az://")
+SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "GOOGLE_SERVICE_ACCOUNT_KEY",
+                    "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_KEY")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """The job's `storage:` section: how to reach an S3-compatible store (every key optional)."""
+
+    endpoint_url: str | None = None  # an S3-compatible store's URL; default AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL
+    region: str | None = None  # default AWS_REGION / AWS_DEFAULT_REGION
+    anonymous: bool = False  # unsigned requests (public buckets)
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"  # auto: virtual on AWS, path on an endpoint_url
+    max_retries: int = 5  # per request, with exponential backoff, then the run fails (exit 1) and resumes later
+    timeout_s: float = 60.0  # per request
+
+
+class StoreError(Exception):
+    """The store could not be reached or refused a request past its retries: a runtime failure (exit 1), whose
+    committed rows a re-run keeps. The message names the store and object, never a credential."""
+
+
+class ObjectNotFound(StoreError):
+    """No object (or bucket) at the path."""
+
+
+def is_remote(path: str) -> bool:
+    return str(path).startswith(SCHEMES)
+
+
+def obstore_missing(key: str, url: str) -> str | None:
+    """The message for a job that names `url` at `key` where obstore is not installed; None where it is."""
+    if importlib.util.find_spec("obstore") is not None:
+        return None
+    return (f"{key}: {url} needs obstore, which is not installed: pip install -e \".[s3]\" in batchgen's checkout "
+            f"(scripts/setup.sh installs it)")
+
+
+def redact(text: str) -> str:
+    """`text` with every credential the environment holds replaced by ***."""
+    for name in SECRET_VARIABLES:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def split_url(url: str) -> tuple[str, str, str]:
+    """("s3://", bucket, key) of an object-store URL."""
+    scheme = next(s for s in SCHEMES if url.startswith(s))
+    bucket, _, key = url[len(scheme):].partition("/")
+    return scheme, bucket, key
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One object of the input: its URL, size and ETag as listed, and the store to read it from (picklable: Ray
+    replicas get it with their window)."""
+
+    url: str
+    size: int
+    etag: str | None
+    store: Any = field(compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return self.url
+
+    @property
+    def name(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+    def identity(self) -> dict[str, Any]:
+        """What makes it the same object for a resume: a rewritten object gets a new ETag."""
+        return {"size": self.size, "etag": self.etag}
+
+    def open(self) -> io.RawIOBase:
+        """The object as a seekable file that reads byte ranges on demand (never the whole object up front)."""
+        import obstore
+
+        try:
+            return RangeReader(obstore.open_reader(self.store, split_url(self.url)[2], buffer_size=1 << 20),
+                                self.url)
+        except Exception as exc:
+            raise store_error(exc, self.url) from None
+
+
+def make_store(url: str, storage: StorageConfig) -> Any:
+    """An obstore store for the bucket of `url`."""
+    from obstore.store import AzureStore, GCSStore, S3Store  # callers check it is installed (obstore_missing)
+
+    scheme, bucket, _ = split_url(url)
+    retry = {"max_retries": storage.max_retries, "retry_timeout": timedelta(seconds=storage.timeout_s * 3),
+             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15),
+                         "base": 2}}
+    client = {"timeout": timedelta(seconds=storage.timeout_s), "connect_timeout": timedelta(seconds=10)}
+    if scheme == "gs://":
+        return GCSStore(bucket, client_options=client, retry_config=retry)
+    if scheme == "az://":
+        return AzureStore(bucket, client_options=client, retry_config=retry)
+    endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    config: dict[str, Any] = {}
+    if endpoint:
+        config["endpoint"] = endpoint
+        client["allow_http"] = endpoint.startswith("http://")
+    region = storage.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        config["region"] = region
+    if storage.anonymous:
+        config["skip_signature"] = True
+    style = storage.addressing_style if storage.addressing_style != "auto" else "path" if endpoint else "virtual"
+    config["virtual_hosted_style_request"] = style == "virtual"
+    return S3Store(bucket, config=config, client_options=client, retry_config=retry)
+
+
+def list_input(path: str, storage: StorageConfig) -> list[RemoteFile]:
+    """The Parquet objects `path` names, sorted by URL: one object; a prefix (its *.parquet objects at any depth,
+    skipping names under a part that starts with `.` or `_`, as pyarrow does); or a glob whose matches are objects
+    or prefixes (hive partitions: s3://bucket/data/date=2026-*). An empty result is the caller's to refuse."""
+    import obstore
+
+    store = make_store(path, storage)
+    scheme, bucket, key = split_url(path)
+    root = f"{scheme}{bucket}/"
+    magic = any(c in key for c in "*?[")
+    try:
+        if not magic:
+            try:
+                meta = obstore.head(store, key)
+                return [RemoteFile(root + meta["path"], meta["size"], meta.get("e_tag"), store)] if key else []
+            except FileNotFoundError:
+                pass
+            except Exception as exc:
+                if not _is_not_found(exc):
+                    raise
+            prefix = key.rstrip("/") + "/" if key else ""
+            return [RemoteFile(root + m["path"], m["size"], m.get("e_tag"), store)
+                    for m in _listing(store, prefix) if _is_input_object(m["path"][len(prefix):])]
+        fixed = key[:min(key.index(c) for c in "*?[" if c in key)].rpartition("/")[0]
+        pattern = tuple(key.split("/"))
+        found = []
+        for meta in _listing(store, fixed + "/" if fixed else ""):
+            parts = tuple(meta["path"].split("/"))
+            for depth in range(len(parts), 0, -1):  # the object itself, or a prefix above it, matches the glob
+                if glob_matches(pattern, parts[:depth]) and (
+                        depth == len(parts) or _is_input_object("/".join(parts[depth:]))):
+                    found.append(RemoteFile(root + meta["path"], meta["size"], meta.get("e_tag"), store))
+                    break
+        return sorted(found, key=lambda f: f.url)
+    except StoreError:
+        raise
+    except Exception as exc:
+        raise store_error(exc, path) from None
+
+
+def _listing(store: Any, prefix: str) -> list[dict[str, Any]]:
+    import obstore
+
+    return sorted((meta for chunk in obstore.list(store, prefix=prefix or None) for meta in chunk),
+                  key=lambda meta: meta["path"])
+
+
+def _is_input_object(relative: str) -> bool:
+    parts = relative.split("/")
+    return parts[-1].endswith(".parquet") and not any(part.startswith((".", "_")) for part in parts)
+
+
+def glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether glob.glob(pattern, recursive=True) would match the path `parts`, one component at a time."""
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(glob_matches(rest, parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], head) and glob_matches(rest, parts[1:])
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    return isinstance(exc, FileNotFoundError) or type(exc).__name__ == "NotFoundError"
+
+
+def store_error(exc: BaseException, url: str) -> StoreError:
+    """One line naming the object and what the store said, credentials removed."""
+    text = redact(" ".join(str(exc).split()))
+    if _is_not_found(exc):
+        return ObjectNotFound(f"{url}: no such object or bucket")
+    return StoreError(f"{url}: the object store failed after its retries: {text[:400]}")
+
+
+class RangeReader(io.RawIOBase):
+    """obstore's buffered reader as the file object pyarrow takes (it has no `closed` or `readinto`); its errors
+    become StoreError naming the object."""
+
+    def __init__(self, reader: Any, url: str) -> None:
+        super().__init__()
+        self.reader, self.url = reader, url
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        try:
+            data = self.reader.read(len(buffer))
+        except Exception as exc:
+            raise store_error(exc, self.url) from None
+        buffer[:len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.reader.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.reader.tell()

@@ -1,0 +1,60 @@
+"""A real S3-protocol server for the tests: moto's server mode (the `test` extra), started on 127.0.0.1 on a free
+port and stopped with the test module. It implements conditional writes (If-None-Match, If-Match), which the
+output's commit protocol needs. Its credentials are planted in the environment of the processes the tests start,
+so that a test can look for them where they must never appear."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+# Planted, never real: a test greps every output file and log line for them.
+ACCESS_KEY = "AKIAPLANTEDTESTKEY7Q"
+SECRET_KEY = "planted+Secret/Key/Never/In/Output/9f3a"
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    process: subprocess.Popen
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a batchgen process using this server through the standard variables."""
+        return {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.endpoint, **extra}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_s3_server(port: int | None = None) -> S3Server:
+    port = port or free_port()
+    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return S3Server(f"http://127.0.0.1:{port}", process)
+        except OSError:
+            if process.poll() is not None:
+                raise RuntimeError("moto's S3 server exited at start")
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("moto's S3 server did not start within 60 s")
