@@ -94,8 +94,15 @@ class RemoteFile:
         return self.url.rsplit("/", 1)[-1]
 
     def identity(self) -> dict[str, Any]:
-        """What makes it the same object for a resume: a rewritten object gets a new ETag."""
-        return {"size": self.size, "etag": self.etag}
+        """What makes it the same object for a resume, asked of the store now (a rewritten object gets a new ETag):
+        at the start of a run, and again at its end to catch an object rewritten while it ran."""
+        import obstore
+
+        try:
+            meta = obstore.head(self.store, split_url(self.url)[2])
+        except Exception as exc:
+            raise store_error(exc, self.url) from None
+        return {"size": meta["size"], "etag": meta.get("e_tag")}
 
     def open(self) -> io.RawIOBase:
         """The object as a seekable file that reads byte ranges on demand (never the whole object up front)."""

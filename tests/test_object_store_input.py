@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -68,12 +69,19 @@ def read(out: Path) -> pl.DataFrame:
     return pl.read_parquet(f"{out}/*.parquet").select(COMPARED).sort("id")
 
 
-def test_the_sample_job_from_s3_equals_the_local_run_and_leaks_no_credential(tmp_path, s3):
-    local = batchgen("run", write_job(tmp_path, "local", str(PROMPTS)), s3.env(), "--quiet")
-    assert local.returncode == 0, local.stderr[-3000:]
+@pytest.fixture(scope="module")
+def local(tmp_path_factory, s3) -> pl.DataFrame:
+    """The sample job's output read from the local file."""
+    tmp = tmp_path_factory.mktemp("local")
+    done = batchgen("run", write_job(tmp, "local", str(PROMPTS)), s3.env(), "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read(tmp / "local")
+
+
+def test_the_sample_job_from_s3_equals_the_local_run_and_leaks_no_credential(tmp_path, s3, local):
     remote = batchgen("run", write_job(tmp_path, "remote", "s3://inputs/sample/prompts.parquet"), s3.env())
     assert remote.returncode == 0, remote.stderr[-3000:]
-    assert read(tmp_path / "remote").equals(read(tmp_path / "local"))
+    assert read(tmp_path / "remote").equals(local)
     success = json.loads((tmp_path / "remote" / "_SUCCESS").read_text())
     assert "s3://inputs/sample/prompts.parquet" in json.dumps(success)
     planned = batchgen("plan", write_job(tmp_path, "planned", "s3://inputs/sample/prompts.parquet"), s3.env())
@@ -82,6 +90,17 @@ def test_the_sample_job_from_s3_equals_the_local_run_and_leaks_no_credential(tmp
     for text in [remote.stderr, remote.stdout, planned.stdout, planned.stderr,
                  *(path.read_bytes().decode("latin-1") for path in (tmp_path / "remote").rglob("*") if path.is_file())]:
         assert ACCESS_KEY not in text and SECRET_KEY not in text
+
+
+@pytest.mark.slow
+def test_ray_replicas_read_their_windows_from_the_store(tmp_path, s3, local):
+    """Each replica opens the objects of its window itself (the driver sends it the listing, not the rows)."""
+    pytest.importorskip("ray")
+    job = write_job(tmp_path, "ray", "s3://inputs/hive/", executor={"kind": "ray", "replicas": 2,
+                                                                     "cpus_per_replica": 1, "batch_size": 8})
+    done = batchgen("run", job, s3.env(), "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read(tmp_path / "ray").equals(local)
 
 
 @pytest.mark.parametrize("path", ["s3://inputs/hive", "s3://inputs/hive/", "s3://inputs/hive/date=2026-*",
@@ -131,6 +150,46 @@ def test_a_missing_object_is_a_job_error(tmp_path, s3):
     result = batchgen("run", write_job(tmp_path, "out", "s3://inputs/nothing-here/"), s3.env(), "--quiet")
     assert result.returncode == 2, result.stderr[-3000:]
     assert "input.path: no Parquet objects found at s3://inputs/nothing-here/" in result.stderr
+
+
+def test_a_store_stopped_mid_run_is_exit_1_and_a_rerun_after_its_restart_resumes(tmp_path):
+    """The run notices at its next request (at the latest the end-of-run check that no input object changed) and
+    fails with one line naming the object; committed parts stay; the store back (the same object: the same ETag),
+    the same command finishes the job with every row once."""
+    server = start_s3_server()
+    port = server.endpoint.rsplit(":", 1)[1]
+    try:
+        server.client().create_bucket(Bucket="midrun")
+        server.client().put_object(Bucket="midrun", Key="prompts.parquet", Body=PROMPTS.read_bytes())
+        job = write_job(tmp_path, "out", "s3://midrun/prompts.parquet", storage={"max_retries": 1, "timeout_s": 2},
+                        engine={**SAMPLE["engine"], "max_num_seqs": 2})
+        edited = yaml.safe_load(job.read_text())
+        edited["output"].update(rows_per_part=2, commit_interval_s=0.5)
+        job.write_text(yaml.safe_dump(edited, sort_keys=False))
+        proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"], env=server.env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600
+        while not list((tmp_path / "out").glob("run-*.parquet")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        server.stop()
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 1, stderr[-3000:]
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and "s3://midrun/prompts.parquet" in lines[0] and "object store" in lines[0], stderr
+        assert list((tmp_path / "out").glob("run-*.parquet")) and not (tmp_path / "out" / "_SUCCESS").exists()
+
+        server = start_s3_server(int(port))  # moto keeps nothing: the same bytes again, so the same ETag
+        server.client().create_bucket(Bucket="midrun")
+        server.client().put_object(Bucket="midrun", Key="prompts.parquet", Body=PROMPTS.read_bytes())
+        rerun = batchgen("run", job, server.env(), "--quiet")
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        summary = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
+        assert summary["resumed"]
+        ids = pl.read_parquet(f"{tmp_path / 'out'}/*.parquet")["id"]
+        assert ids.len() == 30 and ids.is_unique().all()
+    finally:
+        server.stop()
 
 
 def _closed_port() -> int:

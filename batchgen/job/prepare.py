@@ -17,7 +17,7 @@ import pyarrow as pa
 from batchgen.engine.engine_args import EngineArgs
 from batchgen.engine.kv_pool import kv_cache_budget
 from batchgen.machine import available_memory
-from batchgen.object_store import RemoteFile
+from batchgen.object_store import RemoteFile, StorageConfig, is_remote, obstore_missing
 
 from .config import JobConfig, JobConfigError
 from .input.files import InputFiles, inspect_input
@@ -84,7 +84,8 @@ def inspect_job(config: JobConfig, no_download_because: str | None = None) -> Pr
     cache is downloaded, unless `no_download_because` says why not."""
     inputs = inspect_input(config)
     check_executor(config)
-    model = check_model(config.model, no_download_because, chat_template=config.input.chat_template is True)
+    model = check_model(config.model, no_download_because, chat_template=config.input.chat_template is True,
+                        storage=config.storage)
     check_device(config.device)
     check_kv_cache_memory(config.engine)
     return PreparedJob(config, inputs, job_fingerprint(config, model, inputs), OutputDir(config.output.path))
@@ -110,13 +111,20 @@ def check_executor(config: JobConfig) -> None:
                                  "in batchgen's checkout (scripts/setup.sh installs it)") from None
 
 
-def check_model(ref: str, no_download_because: str | None = None, chat_template: bool = False) -> str:
+def check_model(ref: str, no_download_because: str | None = None, chat_template: bool = False,
+                storage: StorageConfig = StorageConfig()) -> str:
     """Where the model is, checked cheaply (no loading, no conversion), and that it has a chat template when the
     job uses the model's own (`chat_template`): what identifies it in the fingerprint (loader.model_id: a hub id
-    pinned to its commit)."""
+    pinned to its commit; a model in object storage: its cache entry, whose name pins its objects' ETags)."""
     from batchgen.models.loader import ModelError, has_chat_template, locate_model, model_id
 
     try:
+        if is_remote(ref):
+            missing = obstore_missing("model", ref)
+            if missing:
+                raise JobConfigError(missing)
+            from batchgen.models.object_model import fetch_model
+            ref = str(fetch_model(ref, storage))  # downloaded once into the cache, then the directory it is
         path = locate_model(ref, no_download_because)
         templated = has_chat_template(path) if chat_template else False
         identity = model_id(ref, path)
