@@ -211,7 +211,7 @@ def _is_not_found(exc: BaseException) -> bool:
 
 def store_error(exc: BaseException, url: str) -> StoreError:
     """One line naming the object and what the store said, credentials removed."""
-    text = redact(" ".join(str(exc).split()))
+    text = redact(" ".join(str(exc).split()).split(" Debug source:")[0])  # obstore appends its debug dump
     if _is_not_found(exc):
         return ObjectNotFound(f"{url}: no such object or bucket")
     return StoreError(f"{url}: the object store failed after its retries: {text[:400]}")

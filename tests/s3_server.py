@@ -58,3 +58,57 @@ def start_s3_server(port: int | None = None) -> S3Server:
             time.sleep(0.1)
     process.kill()
     raise RuntimeError("moto's S3 server did not start within 60 s")
+
+
+class ThrottlingProxy:
+    """An HTTP proxy in front of an S3 server that answers the first `throttled` requests (every one: None) with
+    503 SlowDown, as S3 does under load, and forwards the rest."""
+
+    def __init__(self, upstream: str, throttled: int | None) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        proxy = self
+        self.throttled, self.requests = throttled, 0
+        host, port = upstream.removeprefix("http://").split(":")
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def handle_one(self) -> None:
+                proxy.requests += 1
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.throttled is None or proxy.requests <= proxy.throttled:
+                    reply = (b"<?xml version=\"1.0\"?><Error><Code>SlowDown</Code>"
+                             b"<Message>Please reduce your request rate.</Message></Error>")
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
+                connection = http.client.HTTPConnection(host, int(port), timeout=60)
+                connection.request(self.command, self.path, body=body, headers=dict(self.headers))
+                answer = connection.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                head = self.command == "HEAD"  # its Content-Length is the object's, with no body
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection") and (
+                            head or name.lower() != "content-length"):
+                        self.send_header(name, value)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = handle_one
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()

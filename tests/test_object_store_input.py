@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from s3_server import ACCESS_KEY, SECRET_KEY, start_s3_server
+from s3_server import ACCESS_KEY, SECRET_KEY, ThrottlingProxy, start_s3_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = yaml.safe_load((ROOT / "jobs" / "sample.yaml").read_text())
@@ -144,6 +144,27 @@ def test_an_unreachable_store_is_one_error_line_naming_it(tmp_path, s3):
     assert len(lines) == 1 and lines[0].startswith("batchgen: error:"), result.stderr
     assert "s3://inputs/sample/prompts.parquet" in lines[0] and "object store" in lines[0]
     assert SECRET_KEY not in result.stderr and ACCESS_KEY not in result.stderr
+
+
+@pytest.mark.parametrize("throttled", [3, None], ids=["throttled-then-served", "always-throttled"])
+def test_503_slowdown_is_retried_with_backoff_then_one_error_line(tmp_path, s3, local, throttled):
+    """S3 answers 503 SlowDown under load: a few are retried (the job finishes, the same rows), an endless run of
+    them ends in exit 1 after storage.max_retries, one line naming the object."""
+    proxy = ThrottlingProxy(s3.endpoint, throttled)
+    try:
+        job = write_job(tmp_path, "out", "s3://inputs/sample/prompts.parquet",
+                        storage={"endpoint_url": proxy.endpoint, "max_retries": 4, "timeout_s": 5})
+        result = batchgen("run", job, s3.env(), "--quiet")
+    finally:
+        proxy.stop()
+    if throttled is not None:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert read(tmp_path / "out").equals(local)
+        return
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "s3://inputs/sample/prompts.parquet" in lines[0] and "object store" in lines[0]
+    assert proxy.requests == 5  # the first request and its 4 retries
 
 
 def test_a_missing_object_is_a_job_error(tmp_path, s3):
