@@ -3,6 +3,7 @@
 with torch.equal; it prints where they differ.
 
     python scripts/batch_invariance_probe.py linear      # oneDNN packed (fp32; bf16 where supported), MKL, UpcastLinear, int8
+    python scripts/batch_invariance_probe.py packed      # oneDNN packed linears at real models' shapes, 1-512 rows
     python scripts/batch_invariance_probe.py attention   # torch reference and C++ decode/prefill kernels
 """
 from __future__ import annotations
@@ -90,11 +91,31 @@ def attention() -> None:
               f" 1 thread {torch.equal(one_thread, out)}; C++ decode kernel equals it: {torch.equal(decode, out)}")
 
 
+def packed() -> None:
+    """oneDNN's packed linears (fp32, bf16 where supported) at real models' shapes, 1-512 rows: where a lone row
+    takes other bits (PackedLinear with batch_invariant computes it as two)."""
+    from batchgen.models.packed_linear import PackedLinear, packing_supported
+
+    sizes = list(range(1, 65)) + [100, 255, 512]
+    dtypes = [torch.float32] + ([torch.bfloat16] if packing_supported(torch.device("cpu"), torch.bfloat16) else [])
+    for k, n in ((576, 1536), (1536, 576), (576, 192), (2048, 512), (2048, 2048), (2048, 8192), (8192, 2048),
+                 (3072, 8192), (4096, 4096), (4096, 14336), (14336, 4096)):
+        torch.manual_seed(0)
+        w, x = torch.randn(n, k) / k**0.5, torch.randn(512, k)
+        for dtype in dtypes:
+            linear = PackedLinear(w.to(dtype), None)
+            for threads in (2, 1):
+                torch.set_num_threads(threads)
+                print(f"{k}->{n} {str(dtype):15s} {threads} thread(s): rows differ at M = "
+                      f"{differing(linear, x.to(dtype), sizes)}", flush=True)
+            torch.set_num_threads(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("probe", choices=("linear", "attention"))
+    parser.add_argument("probe", choices=("linear", "packed", "attention"))
     args = parser.parse_args()
-    linears() if args.probe == "linear" else attention()
+    {"linear": linears, "packed": packed, "attention": attention}[args.probe]()
 
 
 if __name__ == "__main__":
