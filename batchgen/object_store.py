@@ -8,6 +8,7 @@ If-None-Match; replace only the version read, If-Match), it wrote parts fastest,
 
 Credentials and endpoints come from the standard places: the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_SESSION_TOKEN, AWS_REGION / AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, web identity), the
+AWS profile (AWS_PROFILE in ~/.aws/credentials and ~/.aws/config: static keys, region, endpoint_url), the
 instance's or container's metadata service; the job's `storage:` section sets what a pipeline sets per job (endpoint,
 region, anonymous access, addressing style). No message batchgen writes holds a credential: `redact` removes the
 environment's from any text that reaches an error or a log.
@@ -37,6 +38,7 @@ class StorageConfig:
     addressing_style: Literal["auto", "path", "virtual"] = "auto"  # auto: virtual on AWS, path on an endpoint_url
     max_retries: int = 5  # per request, with exponential backoff, then the run fails (exit 1) and resumes later
     timeout_s: float = 60.0  # per request
+    lease_ttl_s: float = 60.0  # an s3:// output's lease: refreshed every third of this; a killed run's, stale after it
 
 
 class StoreError(Exception):
@@ -61,12 +63,36 @@ def obstore_missing(key: str, url: str) -> str | None:
 
 
 def redact(text: str) -> str:
-    """`text` with every credential the environment holds replaced by ***."""
-    for name in SECRET_VARIABLES:
-        value = os.environ.get(name)
+    """`text` with every credential the environment or the AWS profile holds replaced by ***."""
+    profile = aws_profile()
+    for value in [os.environ.get(name) for name in SECRET_VARIABLES] + [profile.get(key) for key in PROFILE_SECRETS]:
         if value and len(value) >= 4:
             text = text.replace(value, "***")
     return text
+
+
+PROFILE_SECRETS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+
+
+def aws_profile() -> dict[str, str]:
+    """The AWS SDKs' shared files for the profile AWS_PROFILE (else `default`): its keys from the config file
+    (AWS_CONFIG_FILE, else ~/.aws/config: region, endpoint_url) and the credentials file (AWS_SHARED_CREDENTIALS_FILE,
+    else ~/.aws/credentials), the latter winning. Empty where there are none."""
+    import configparser
+
+    name = os.environ.get("AWS_PROFILE") or "default"
+    found: dict[str, str] = {}
+    for path, section in ((os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config",
+                           name if name == "default" else f"profile {name}"),
+                          (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials", name)):
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(os.path.expanduser(path))
+        except (configparser.Error, OSError, UnicodeDecodeError):
+            continue
+        if parser.has_section(section):
+            found.update(parser.items(section))
+    return found
 
 
 def split_url(url: str) -> tuple[str, str, str]:
@@ -128,12 +154,20 @@ def make_store(url: str, storage: StorageConfig) -> Any:
         return GCSStore(bucket, client_options=client, retry_config=retry)
     if scheme == "az://":
         return AzureStore(bucket, client_options=client, retry_config=retry)
-    endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    profile = {} if os.environ.get("AWS_ACCESS_KEY_ID") else aws_profile()  # the environment's keys come first
+    endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") \
+        or profile.get("endpoint_url")
     config: dict[str, Any] = {}
+    if profile.get("aws_access_key_id") and not storage.anonymous:
+        config.update(access_key_id=profile["aws_access_key_id"],
+                      secret_access_key=profile.get("aws_secret_access_key", ""))
+        if profile.get("aws_session_token"):
+            config["session_token"] = profile["aws_session_token"]
     if endpoint:
         config["endpoint"] = endpoint
         client["allow_http"] = endpoint.startswith("http://")
-    region = storage.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    region = storage.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") \
+        or profile.get("region")
     if region:
         config["region"] = region
     if storage.anonymous:
@@ -161,15 +195,15 @@ def list_input(path: str, storage: StorageConfig) -> list[RemoteFile]:
             except FileNotFoundError:
                 pass
             except Exception as exc:
-                if not _is_not_found(exc):
+                if not is_not_found(exc):
                     raise
             prefix = key.rstrip("/") + "/" if key else ""
             return [RemoteFile(root + m["path"], m["size"], m.get("e_tag"), store)
-                    for m in _listing(store, prefix) if _is_input_object(m["path"][len(prefix):])]
+                    for m in list_objects(store, prefix) if _is_input_object(m["path"][len(prefix):])]
         fixed = key[:min(key.index(c) for c in "*?[" if c in key)].rpartition("/")[0]
         pattern = tuple(key.split("/"))
         found = []
-        for meta in _listing(store, fixed + "/" if fixed else ""):
+        for meta in list_objects(store, fixed + "/" if fixed else ""):
             parts = tuple(meta["path"].split("/"))
             for depth in range(len(parts), 0, -1):  # the object itself, or a prefix above it, matches the glob
                 if glob_matches(pattern, parts[:depth]) and (
@@ -183,7 +217,7 @@ def list_input(path: str, storage: StorageConfig) -> list[RemoteFile]:
         raise store_error(exc, path) from None
 
 
-def _listing(store: Any, prefix: str) -> list[dict[str, Any]]:
+def list_objects(store: Any, prefix: str) -> list[dict[str, Any]]:
     import obstore
 
     return sorted((meta for chunk in obstore.list(store, prefix=prefix or None) for meta in chunk),
@@ -205,14 +239,14 @@ def glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
     return bool(parts) and fnmatch.fnmatchcase(parts[0], head) and glob_matches(rest, parts[1:])
 
 
-def _is_not_found(exc: BaseException) -> bool:
+def is_not_found(exc: BaseException) -> bool:
     return isinstance(exc, FileNotFoundError) or type(exc).__name__ == "NotFoundError"
 
 
 def store_error(exc: BaseException, url: str) -> StoreError:
     """One line naming the object and what the store said, credentials removed."""
     text = redact(" ".join(str(exc).split()).split(" Debug source:")[0])  # obstore appends its debug dump
-    if _is_not_found(exc):
+    if is_not_found(exc):
         return ObjectNotFound(f"{url}: no such object or bucket")
     return StoreError(f"{url}: the object store failed after its retries: {text[:400]}")
 

@@ -62,16 +62,18 @@ def start_s3_server(port: int | None = None) -> S3Server:
 
 class ThrottlingProxy:
     """An HTTP proxy in front of an S3 server that answers the first `throttled` requests (every one: None) with
-    503 SlowDown, as S3 does under load, and forwards the rest."""
+    503 SlowDown, as S3 does under load, and forwards the rest. Stopped, it is a store that cannot be reached (whose
+    objects are kept: another proxy on the same port brings it back)."""
 
-    def __init__(self, upstream: str, throttled: int | None) -> None:
+    def __init__(self, upstream: str, throttled: int | None, port: int = 0) -> None:
         import http.client
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         proxy = self
         self.throttled, self.requests = throttled, 0
-        host, port = upstream.removeprefix("http://").split(":")
+        self.access_keys: set[str] = set()  # the access key ids requests were signed with
+        host, upstream_port = upstream.removeprefix("http://").split(":")
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args) -> None:
@@ -79,6 +81,8 @@ class ThrottlingProxy:
 
             def handle_one(self) -> None:
                 proxy.requests += 1
+                signed = self.headers.get("Authorization", "").partition("Credential=")[2].partition("/")[0]
+                proxy.access_keys.add(signed)
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if proxy.throttled is None or proxy.requests <= proxy.throttled:
                     reply = (b"<?xml version=\"1.0\"?><Error><Code>SlowDown</Code>"
@@ -88,7 +92,7 @@ class ThrottlingProxy:
                     self.end_headers()
                     self.wfile.write(reply)
                     return
-                connection = http.client.HTTPConnection(host, int(port), timeout=60)
+                connection = http.client.HTTPConnection(host, int(upstream_port), timeout=60)
                 connection.request(self.command, self.path, body=body, headers=dict(self.headers))
                 answer = connection.getresponse()
                 data = answer.read()
@@ -106,9 +110,10 @@ class ThrottlingProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = handle_one
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
         self.server.shutdown()
+        self.server.server_close()  # the port is free again: a proxy started on it is the store coming back

@@ -380,6 +380,8 @@ def _check_storage(cfg: StorageConfig) -> None:
         raise JobConfigError("storage.max_retries: must not be negative")
     if not cfg.timeout_s > 0:
         raise JobConfigError("storage.timeout_s: must be positive")
+    if not cfg.lease_ttl_s > 0:
+        raise JobConfigError("storage.lease_ttl_s: must be positive")
 
 
 def _check_output(cfg: OutputConfig) -> None:

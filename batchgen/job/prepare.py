@@ -21,7 +21,8 @@ from batchgen.object_store import RemoteFile, StorageConfig, is_remote, obstore_
 
 from .config import JobConfig, JobConfigError
 from .input.files import InputFiles, inspect_input
-from .output.resume import check_output, describe_changes, input_identity, output_errors
+from .output.object_output import ObjectOutput, check_output_at, open_output
+from .output.resume import describe_changes, input_identity, output_errors
 from .output.schema import ROW_POSITION_ID_TYPE, OutputOptions, output_schema
 from .output.sink import OutputDir, run_part_schema
 
@@ -35,9 +36,9 @@ class PreparedJob:
     config: JobConfig
     inputs: InputFiles
     fingerprint: dict[str, Any]
-    out: OutputDir
+    out: OutputDir | ObjectOutput
     complete: dict | None = None  # the _SUCCESS summary when the job already finished
-    lock_fd: int | None = None
+    lock_fd: int | None = None  # a local output's lock (an object-store output holds a lease instead)
     done: bytearray | None = None  # the ledger read when the output was taken: done[row] for committed rows
     cost_per_hour: float | None = None  # the machine's price, for _SUCCESS's tokens_per_dollar
 
@@ -65,6 +66,8 @@ class PreparedJob:
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None
+        if isinstance(self.out, ObjectOutput):
+            self.out.release_lease()
 
 
 def prepare_job(config: JobConfig, overwrite: bool = False) -> PreparedJob:
@@ -72,7 +75,7 @@ def prepare_job(config: JobConfig, overwrite: bool = False) -> PreparedJob:
     unless the job is already complete."""
     job = inspect_job(config)
     with output_errors(job.out):
-        job.complete = check_output(job.out, job.fingerprint, overwrite, job.run_schema)
+        job.complete = check_output_at(job.out, job.fingerprint, overwrite, job.run_schema)
         if job.complete is None:
             take_output(job, overwrite)
     return job
@@ -88,7 +91,8 @@ def inspect_job(config: JobConfig, no_download_because: str | None = None) -> Pr
                         storage=config.storage)
     check_device(config.device)
     check_kv_cache_memory(config.engine)
-    return PreparedJob(config, inputs, job_fingerprint(config, model, inputs), OutputDir(config.output.path))
+    return PreparedJob(config, inputs, job_fingerprint(config, model, inputs),
+                       open_output(config.output.path, config.storage))
 
 
 def check_chat_template(config: JobConfig, tokenizer) -> None:
@@ -198,11 +202,15 @@ def fingerprint_text(fingerprint: dict[str, Any]) -> str:
 
 def take_output(job: PreparedJob, overwrite: bool) -> None:
     """Lock the output, clear it (--overwrite) and read what earlier runs committed. The output is checked again
-    once locked: a run that held the lock may have finished it (or committed more) since the first check."""
-    job.lock_fd = lock_output(job.out)
+    once locked: a run that held the lock may have finished it (or committed more) since the first check. An
+    object-store output's lock is its lease (output/lease.py)."""
+    if isinstance(job.out, ObjectOutput):
+        job.out.take_lease()
+    else:
+        job.lock_fd = lock_output(job.out)
     try:
-        job.complete = check_output(job.out, job.fingerprint, overwrite, job.run_schema)
-        if job.complete is not None:  # finished by the run that held the lock: leave no temp directory behind
+        job.complete = check_output_at(job.out, job.fingerprint, overwrite, job.run_schema)
+        if job.complete is not None and isinstance(job.out, OutputDir):  # finished by the run that held the lock
             shutil.rmtree(job.out.tmp, ignore_errors=True)  # while locked, so that no other run holds this lock
             job.release()
             return

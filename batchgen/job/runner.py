@@ -16,6 +16,7 @@ from batchgen.engine.process_memory import peak_rss_bytes
 from .config import ROW_SAMPLING_KEYS
 from .executors import ExecutorRun, executor_for
 from .output.final_rewrite import RowTotals, apply_rewrite, finalize
+from .output.object_output import ObjectOutput, apply_object_rewrite, finalize_objects
 from .output.sink import PartWriter, final_part_schema
 from .prepare import PreparedJob, check_input_unchanged, fingerprint_text, resolved_dtype
 
@@ -66,8 +67,9 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
     On failure, every result received so far is committed before the exception propagates."""
     config, out = job.config, job.out
     try:
+        in_store = isinstance(out, ObjectOutput)
         if out.pending_rewrite() is not None:  # an earlier run crashed while moving its final parts into place
-            return apply_rewrite(out)
+            return apply_object_rewrite(out) if in_store else apply_rewrite(out)
         started_at = datetime.now(timezone.utc)
         done = job.done = job.done if job.done is not None else out.done_rows(job.inputs.total_rows)
         progress = Progress(job.inputs.total_rows, done.count(1))
@@ -98,8 +100,9 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
         writer.commit()
         check_input_unchanged(job)
         summarize = lambda totals: build_summary(job, totals, progress, run, started_at)
-        return finalize(out, final_part_schema(job.schema, fingerprint_text(job.fingerprint)), job.inputs.total_rows,
-                        config.output.order, config.output.rows_per_part, summarize)
+        final = finalize_objects if in_store else finalize
+        return final(out, final_part_schema(job.schema, fingerprint_text(job.fingerprint)), job.inputs.total_rows,
+                     config.output.order, config.output.rows_per_part, summarize)
     finally:
         job.release()
 

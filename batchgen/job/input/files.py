@@ -84,10 +84,12 @@ def check_output_outside_input(input_path: str, output_path: str) -> None:
     """Refuse an output directory that the input reads from (inside an input directory, or matched by an input
     glob): a resume or a re-run would read its parts as input rows. Real paths are compared: a symlink on either
     side does not hide it."""
-    if is_remote(output_path):
-        raise JobConfigError(f"output.path: {output_path}: object-store outputs are not supported yet (inputs are); "
-                             f"write to a local path")
-    if is_remote(input_path):
+    missing = obstore_missing("output.path", output_path) if is_remote(output_path) else None
+    if missing:
+        raise JobConfigError(missing)
+    if is_remote(output_path) or is_remote(input_path):
+        if is_remote(output_path) and is_remote(input_path):
+            _check_remote_output_outside_input(input_path, output_path)
         return
     out = Path(os.path.realpath(Path(output_path).expanduser()))
     root = Path(os.path.realpath(Path(input_path).expanduser()))
@@ -104,9 +106,28 @@ def check_output_outside_input(input_path: str, output_path: str) -> None:
                              f"its parts as input rows; choose an output.path outside it")
 
 
+def _check_remote_output_outside_input(input_path: str, output_path: str) -> None:
+    """check_output_outside_input in object storage, where a path is a prefix of keys."""
+    out, root = output_path.rstrip("/"), input_path.rstrip("/")
+    if glob.has_magic(input_path):
+        candidates = [f"{out}/part-00000.parquet", f"{out}/run-00000-0.parquet", out]
+        inside = any(glob_matches(tuple(root.split("/")), tuple(c.split("/"))) for c in candidates)
+    else:
+        inside = out == root or out.startswith(root + "/")
+    if inside:
+        raise JobConfigError(f"output.path: {output_path} is inside the input ({input_path}): a re-run would read "
+                             f"its parts as input rows; choose an output.path outside it")
+
+
 def check_input_outside_output(files: list[InputFile], output_path: str) -> None:
     """Refuse input files inside the output directory (say, an earlier job's parts read from where this job
     writes): --overwrite would delete the input, a re-run would read this job's own rows."""
+    if is_remote(output_path):
+        inside = [f for f in files if isinstance(f, RemoteFile) and f.url.startswith(output_path.rstrip("/") + "/")]
+        if inside:
+            raise JobConfigError(f"input.path: {inside[0]} is inside output.path ({output_path}), where this job "
+                                 f"writes; copy it elsewhere or choose another output.path")
+        return
     out = Path(os.path.realpath(Path(output_path).expanduser()))
     for path in files:
         if isinstance(path, RemoteFile):

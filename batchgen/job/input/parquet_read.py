@@ -34,9 +34,12 @@ InputFile = Union[Path, RemoteFile]  # a local file, or an object in object stor
 
 def open_parquet(path: InputFile) -> pq.ParquetFile:
     # pyarrow's default pre_buffer=True reads every selected column chunk of the file up front: memory would grow
-    # with the input. Buffered reads of 1 MiB keep it to about a record batch (an object: range reads of as much).
-    source = path.open() if isinstance(path, RemoteFile) else path
-    return pq.ParquetFile(source, page_checksum_verification=True, pre_buffer=False, buffer_size=1 << 20)
+    # with the input. Buffered reads of 1 MiB per column keep it to about a record batch. An object is read by range
+    # requests of 8 MiB per column: each request waits out the store's latency, and 1 MiB ones read a 200k-row input
+    # 3x slower from a local S3 server (scripts/job_io_bench.py).
+    if isinstance(path, RemoteFile):
+        return pq.ParquetFile(path.open(), page_checksum_verification=True, pre_buffer=False, buffer_size=8 << 20)
+    return pq.ParquetFile(path, page_checksum_verification=True, pre_buffer=False, buffer_size=1 << 20)
 
 
 def file_batches(path: InputFile, columns: list[str], batch_rows: int, expected_rows: int) -> Iterator[pa.RecordBatch]:

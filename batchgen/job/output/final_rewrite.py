@@ -8,17 +8,16 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from . import sink  # its writes called through the module: tests stand in for them
 from .schema import ROW_COLUMN
-from .sink import REWRITE_MANIFEST, SUCCESS, OutputDir, _row_statistics, in_row_order, read_part
+from .sink import (REWRITE_MANIFEST, SUCCESS, OutputDir, PartFile, _row_statistics, in_row_order, part_metadata,
+                   read_part)
 
 
 @dataclass
@@ -96,7 +95,7 @@ def apply_rewrite(out: OutputDir) -> dict:
     return manifest["success"]
 
 
-def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -> Iterator[pa.Table]:
+def ordered_tables(run_parts: list[PartFile], total_rows: int, rows_per_part: int) -> Iterator[pa.Table]:
     """The committed rows in input order, `rows_per_part` input positions per table (with their samples). Row groups
     carry min/max statistics of `_row` and are sorted by it when read (an `order: completion` run wrote them
     unsorted): walking the ranges in order, each row group is read once, when the first range it overlaps comes up,
@@ -104,7 +103,7 @@ def ordered_tables(run_parts: list[Path], total_rows: int, rows_per_part: int) -
     input), not the output size."""
     groups = []  # (min row, max row, part, row group index)
     for part in run_parts:
-        metadata = pq.ParquetFile(part).metadata
+        metadata = part_metadata(part)
         for i in range(metadata.num_row_groups):
             if metadata.row_group(i).num_rows:
                 stats = _row_statistics(metadata, i)

@@ -17,7 +17,7 @@ from batchgen.object_store import RemoteFile
 
 from ..config import JobConfigError
 from ..input.parquet_read import InputFile
-from .sink import FINGERPRINT_KEY, RUN_PART, TMP_SUFFIX, DamagedFileError, OutputDir
+from .sink import FINGERPRINT_KEY, OBJECT_RUN_PART, RUN_PART, TMP_SUFFIX, DamagedFileError, OutputDir
 
 # The Parquet tail: a 4-byte little-endian footer length, then the magic bytes.
 _TAIL = 8
@@ -61,16 +61,22 @@ def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool,
     success = out.success()
     if rewrite is not None or success is not None:
         previous = (rewrite or {}).get("success") or success
-        _refuse_changes(where, previous.get("fingerprint", {}), fingerprint)
+        refuse_changes(where, previous.get("fingerprint", {}), fingerprint)
         return success if rewrite is None else None
     if out.final_parts():
         raise JobConfigError(f"{where} holds finished parts but no _SUCCESS; re-run with --overwrite to start over")
-    for part, schema in out.run_part_schemas().items():
-        _refuse_changes(where, _stored_fingerprint(schema), fingerprint)
+    check_run_parts(where, out.run_part_schemas(), fingerprint, run_schema)
+    return None
+
+
+def check_run_parts(where: str, schemas: dict[Any, pa.Schema], fingerprint: dict[str, Any],
+                    run_schema: pa.Schema | None) -> None:
+    """Each run part (by its schema) holds this job's rows, in the columns and types it writes."""
+    for part, schema in schemas.items():
+        refuse_changes(where, stored_fingerprint(schema), fingerprint)
         if run_schema is not None and not schema.remove_metadata().equals(run_schema.remove_metadata()):
             raise JobConfigError(f"{where} holds {part.name} with other columns or types than this job writes; "
                                  f"re-run with --overwrite to start over")
-    return None
 
 
 def check_location(out: OutputDir) -> None:
@@ -105,14 +111,14 @@ def _check_writable(path: Path) -> None:
         raise JobConfigError(f"output.path: cannot write {path}: Permission denied{where}")
 
 
-def _stored_fingerprint(schema: pa.Schema) -> dict:
+def stored_fingerprint(schema: pa.Schema) -> dict:
     try:
         return json.loads((schema.metadata or {}).get(FINGERPRINT_KEY, b"{}"))
     except ValueError:
         return {}
 
 
-def _refuse_changes(where: str, previous: dict, current: dict) -> None:
+def refuse_changes(where: str, previous: dict, current: dict) -> None:
     changes = describe_changes(previous, current)
     if changes:
         raise JobConfigError(f"{where} holds rows of a different job ({changes}); "
@@ -182,9 +188,9 @@ def output_errors(out: OutputDir) -> Iterator[None]:
 def damaged_message(out: OutputDir, exc: DamagedFileError) -> str:
     """Name the damaged file and the way out. A run part holds committed rows: without it, they are generated
     again. A file batchgen cannot read is not provably its own, so --overwrite leaves it for the user to delete."""
-    if RUN_PART.fullmatch(exc.path.name):
+    if RUN_PART.fullmatch(exc.path.name) or OBJECT_RUN_PART.fullmatch(exc.path.name):
         remedy = "delete that file and re-run the same command (its rows are generated again)"
-    elif exc.path.parent == out.staging:
+    elif isinstance(out, OutputDir) and exc.path.parent == out.staging:
         remedy = "re-run with --overwrite to start over"
     else:
         remedy = "delete that file and re-run with --overwrite to start over"

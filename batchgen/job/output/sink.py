@@ -24,27 +24,32 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.engine.request import Result
+from batchgen.object_store import RemoteFile
 
 from .json_output import JsonType, parse_json_output
 from ..input.parquet_read import first_line
 from .schema import ID_COLUMN, JSON_COLUMN, OUTPUT_COLUMNS, RESULT_COLUMNS, ROW_COLUMN, SAMPLE_COLUMN
 
+PartFile = Union[Path, RemoteFile]  # a part in a local output directory, or an object in an object-store output
 FINGERPRINT_KEY = b"batchgen.fingerprint"
 SUCCESS = "_SUCCESS"
 REWRITE_MANIFEST = "_PLAN.json"  # the final rewrite's manifest (final_rewrite.py); the name on disk predates `batchgen plan`
 # Where older versions half-wrote _SUCCESS (its scratch now lives in the temp directory): batchgen's own, removed when
 # a run takes the output.
+RUN_PART_ROW_GROUP = 1024  # rows: the final rewrite reads run parts a row group at a time
 LEFTOVER_SUCCESS_SCRATCH = SUCCESS + ".inprogress"
 TMP_SUFFIX = ".batchgen-tmp"
 SCRATCH_MARK = "batchgen-scratch.json"  # in the temp directory: {"output": the output's real path}
 RUN_PART = re.compile(r"run-(\d+)\.parquet")
+# in object storage, where a run part cannot be renamed into place: named by its sequence and its run's id
+OBJECT_RUN_PART = re.compile(r"run-(\d+)-([0-9a-f]+)\.parquet")
 FINAL_PART = re.compile(r"part-(\d+)\.parquet")
 
 
@@ -59,7 +64,7 @@ def final_part_schema(schema: pa.Schema, fingerprint: str) -> pa.Schema:
 class DamagedFileError(Exception):
     """A file in the output that batchgen cannot read back (e.g. truncated by a failing disk)."""
 
-    def __init__(self, path: Path, reason: str):
+    def __init__(self, path: PartFile, reason: str):
         super().__init__(f"{path}: {reason}")
         self.path, self.reason = path, reason
 
@@ -68,24 +73,33 @@ def _is_part_name(name: str) -> bool:
     return bool(RUN_PART.fullmatch(name) or FINAL_PART.fullmatch(name))
 
 
-def read_part_schema(path: Path) -> pa.Schema:
+def _source(part: PartFile) -> Any:
+    return part.open() if isinstance(part, RemoteFile) else part
+
+
+def read_part_schema(path: PartFile) -> pa.Schema:
     """A part file's schema with its metadata, from the footer alone."""
     with _reading(path, "not a readable Parquet file"):
-        return pq.read_schema(path)
+        return pq.read_schema(_source(path))
 
 
-def read_part(path: Path, row_group: int | None = None) -> pa.Table:
+def part_metadata(path: PartFile) -> pq.FileMetaData:
+    with _reading(path, "not a readable Parquet file"):
+        return pq.ParquetFile(_source(path)).metadata
+
+
+def read_part(path: PartFile, row_group: int | None = None) -> pa.Table:
     """A part file (or one of its row groups), every page checked against its checksum."""
     with _reading(path, "its data cannot be read"):
-        parquet = pq.ParquetFile(path, page_checksum_verification=True)
+        parquet = pq.ParquetFile(_source(path), page_checksum_verification=True)
         return parquet.read() if row_group is None else parquet.read_row_group(row_group)
 
 
-def run_part_rows(part: Path) -> np.ndarray:
+def run_part_rows(part: PartFile) -> np.ndarray:
     """A run part's `_row` values. Every page is read (checksums verified) and each row group's `_row` statistics
     checked against its values: the final rewrite finds row groups by those statistics, which no checksum covers."""
     with _reading(part, "its data cannot be read"):
-        parquet = pq.ParquetFile(part, page_checksum_verification=True)
+        parquet = pq.ParquetFile(_source(part), page_checksum_verification=True)
         pieces = []
         for i in range(parquet.num_row_groups):
             rows = parquet.read_row_group(i).column(ROW_COLUMN).to_numpy()
@@ -104,7 +118,7 @@ def _row_statistics(metadata: pq.FileMetaData, row_group: int) -> pq.Statistics 
 
 
 @contextmanager
-def _reading(path: Path, what: str) -> Iterator[None]:
+def _reading(path: PartFile, what: str) -> Iterator[None]:
     """Bad bytes as DamagedFileError: pyarrow raises ArrowException, UnicodeDecodeError (a name in the footer) or
     an OSError without errno (a checksum mismatch), the disk EIO. An OS refusal (a permission) stays an OSError."""
     try:
@@ -228,6 +242,9 @@ class OutputDir:
         seqs = [int(RUN_PART.fullmatch(p.name).group(1)) for p in self.run_parts()]
         return max(seqs, default=-1) + 1
 
+    def write_run_part(self, table: pa.Table, seq: int) -> None:
+        atomic_write(table, self, f"run-{seq:05d}.parquet", row_group_size=RUN_PART_ROW_GROUP)
+
     def prepare_tmp(self) -> None:
         """Create the temp directory; drop half-written files a killed run left there."""
         self.make_tmp()
@@ -277,8 +294,9 @@ def is_output_dir(path: Path) -> bool:
 
 class PartWriter:
     """Buffers output rows and commits them as run parts: written under the temp directory, fsynced, renamed
-    into `output.path`. A commit happens every `rows_per_part` output rows or `commit_interval_s` seconds, between
-    input rows: an input row's samples are always committed together, so the ledger of done input rows holds."""
+    into `output.path` (in object storage: create-only objects, through ObjectOutput's same two methods). A commit
+    happens every `rows_per_part` output rows or `commit_interval_s` seconds, between input rows: an input row's
+    samples are always committed together, so the ledger of done input rows holds."""
 
     def __init__(self, out: OutputDir, schema: pa.Schema, fingerprint: str, rows_per_part: int,
                  commit_interval_s: float, sort_by_row: bool, clock: Callable[[], float] = time.monotonic,
@@ -334,7 +352,7 @@ class PartWriter:
                           for name, values in self.columns.items()}, schema=self.schema)
         if self.sort_by_row:
             table = in_row_order(table)
-        atomic_write(table, self.out, f"run-{self.seq:05d}.parquet", row_group_size=1024)
+        self.out.write_run_part(table, self.seq)
         self.seq += 1
         self.committed_rows += table.num_rows
         self.columns = {name: [] for name in self.schema.names}

@@ -21,7 +21,8 @@ from batchgen.machine import available_memory, process_rss
 from . import memory
 from ..config import JobConfig, JobConfigError, setting_error
 from ..input.files import InputFiles
-from ..output.resume import check_output, output_errors
+from ..output.object_output import ObjectOutput, check_output_at, live_lease
+from ..output.resume import output_errors
 from ..prepare import PreparedJob, check_chat_template, engine_args_for, inspect_job
 from ..output.sink import OutputDir
 from ..input.source import SourceRow, read_source
@@ -341,13 +342,16 @@ def output_status(job: PreparedJob, overwrite: bool) -> tuple[str, int, list[str
     out, total = job.out, job.inputs.total_rows
     try:
         with output_errors(out):
-            complete = check_output(out, job.fingerprint, overwrite, job.run_schema)
+            complete = check_output_at(out, job.fingerprint, overwrite, job.run_schema)
             done = out.done_rows(total).count(1) if out.run_parts() and not overwrite else 0
     except JobConfigError as exc:
         return f"refused: {exc}", total, [str(exc)]
-    holder = lock_holder(out)
-    if holder is not None:
-        message = f"output.path: another batchgen run is writing {out.path} (pid {holder})"
+    if isinstance(out, ObjectOutput):
+        message = live_lease(out)
+    else:
+        holder = lock_holder(out)
+        message = None if holder is None else f"output.path: another batchgen run is writing {out.path} (pid {holder})"
+    if message is not None:
         return f"refused: {message}", total, [message]
     if overwrite and (out.names() or out.pending_rewrite() is not None):
         return "--overwrite: run discards what this output holds and starts over", total, []
