@@ -121,6 +121,27 @@ def test_a_prefix_or_a_glob_finds_the_partitions_and_skips_hidden_names(tmp_path
     assert all(f.size > 0 and f.etag for f in files)
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_hive_partition_keys_are_columns_to_keep(tmp_path, s3, local, where):
+    """date=... folders (prefix parts) above the files give each row a `date` column, a string, as Ray Data and
+    pyarrow's hive partitioning do; the rows are the same as from the one file."""
+    table = pq.read_table(PROMPTS)
+    if where == "local":
+        for i, day in enumerate(["2026-01-01", "2026-01-02"]):
+            (tmp_path / "hive" / f"date={day}").mkdir(parents=True)
+            pq.write_table(table.slice(15 * i, 15), tmp_path / "hive" / f"date={day}" / "part-0.parquet")
+    path = str(tmp_path / "hive") if where == "local" else "s3://inputs/hive/"
+    job = write_job(tmp_path, "out", path,
+                    output={**SAMPLE["output"], "path": str(tmp_path / "out"), "keep_columns": ["topic", "date"]})
+    done = batchgen("run", job, s3.env(), "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = pl.read_parquet(f"{tmp_path / 'out'}/*.parquet")
+    assert out.schema["date"] == pl.String
+    expected = {ident: "2026-01-01" if i < 15 else "2026-01-02" for i, ident in enumerate(table["id"].to_pylist())}
+    assert dict(zip(out["id"].to_list(), out["date"].to_list())) == expected
+    assert out.select(COMPARED).sort("id").equals(local)
+
+
 def test_a_rewritten_input_object_is_refused_on_resume(tmp_path, s3):
     client = s3.client()
     client.upload_file(str(PROMPTS), "inputs", "rewritten/prompts.parquet")

@@ -22,6 +22,7 @@ import polars as pl
 import pytest
 import yaml
 
+from ray_processes import processes_under
 from s3_server import ACCESS_KEY, SECRET_KEY, ThrottlingProxy, free_port, start_s3_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -268,9 +269,10 @@ def test_ray_replicas_and_driver_share_no_directory(tmp_path, s3, local):
         proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"], env=env, cwd=driver,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wait_for(lambda: any(n.startswith("run-") for n in names(s3, "ray")), proc)
-        replicas = subprocess.run(["pgrep", "-f", "EngineReplica"], capture_output=True, text=True).stdout.split()
+        replicas = [p for p in processes_under(lambda cmdline: str(cluster) in cmdline)
+                    if "EngineReplica" in " ".join(p.cmdline())]
         assert replicas, "no replica process found"
-        os.kill(int(replicas[0]), signal.SIGKILL)
+        replicas[0].send_signal(signal.SIGKILL)
         _, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0, stderr[-3000:]
         assert any((cluster / "cache").rglob("*.safetensors"))  # the replicas converted the model in their own cache

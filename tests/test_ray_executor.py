@@ -24,6 +24,7 @@ import ray  # noqa: F401 -- the `ray` extra is part of the test setup: a missing
 
 from batchgen.machine import cpu_flags
 from cli_runs import read, run_cli
+from ray_processes import processes_under
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = yaml.safe_load((ROOT / "jobs" / "sample.yaml").read_text())
@@ -68,16 +69,8 @@ def session_processes(driver: int) -> list[psutil.Process]:
     """The processes of the local Ray that the `batchgen run` with pid `driver` started (its head: gcs_server,
     raylet, ...: their command lines name the session directory, which ends in the driver's pid) and all their
     descendants (the workers, the replicas). Other Ray sessions on the machine are left alone."""
-    heads = [process for process in psutil.process_iter(["cmdline"])
-             if f"_{driver}/" in " ".join(process.info["cmdline"] or []).split("/ray/session_", 1)[-1]
-             and "/ray/session_" in " ".join(process.info["cmdline"] or [])]
-    found = {p.pid: p for p in heads}
-    for head in heads:
-        try:
-            found.update({child.pid: child for child in head.children(recursive=True)})
-        except psutil.Error:
-            pass
-    return list(found.values())
+    return processes_under(lambda cmdline: "/ray/session_" in cmdline
+                           and f"_{driver}/" in cmdline.split("/ray/session_", 1)[-1])
 
 
 def kill_ray_left_behind(driver: int) -> None:

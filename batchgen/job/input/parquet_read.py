@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Union
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,6 +31,7 @@ class Unreadable:
 
 
 InputFile = Union[Path, RemoteFile]  # a local file, or an object in object storage (batchgen/object_store.py)
+EMPTY: Mapping[str, str] = MappingProxyType({})  # a file in no hive partition
 
 
 def open_parquet(path: InputFile) -> pq.ParquetFile:
@@ -42,9 +44,10 @@ def open_parquet(path: InputFile) -> pq.ParquetFile:
     return pq.ParquetFile(path, page_checksum_verification=True, pre_buffer=False, buffer_size=1 << 20)
 
 
-def file_batches(path: InputFile, columns: list[str], batch_rows: int, expected_rows: int) -> Iterator[pa.RecordBatch]:
-    """The file's record batches of those of `columns` it has. Raises InputReadError when its data cannot be
-    decoded or it holds other than `expected_rows` rows."""
+def file_batches(path: InputFile, columns: list[str], batch_rows: int, expected_rows: int,
+                 partition: Mapping[str, str] = EMPTY) -> Iterator[pa.RecordBatch]:
+    """The file's record batches of those of `columns` it has (or its `partition` gives). Raises InputReadError when
+    its data cannot be decoded or it holds other than `expected_rows` rows."""
     rows = 0
     try:
         parquet = open_parquet(path)
@@ -53,7 +56,7 @@ def file_batches(path: InputFile, columns: list[str], batch_rows: int, expected_
             rows += batch.num_rows
             if rows > expected_rows:
                 break
-            yield batch
+            yield with_partition(batch, columns, partition)
     except StoreError:  # the store, not the file: a runtime failure that a re-run resumes from
         raise
     except (pa.ArrowException, OSError) as exc:  # what pyarrow raises for a bad page, header or length
@@ -64,7 +67,8 @@ def file_batches(path: InputFile, columns: list[str], batch_rows: int, expected_
                              f"but its data holds {'more' if rows > expected_rows else rows}")
 
 
-def file_range(path: InputFile, columns: list[str], start: int, stop: int) -> Iterator[pa.RecordBatch]:
+def file_range(path: InputFile, columns: list[str], start: int, stop: int,
+               partition: Mapping[str, str] = EMPTY) -> Iterator[pa.RecordBatch]:
     """Rows [start, stop) of the file (of those of `columns` it has), reading only the row groups that hold them.
     The file was checked by the whole-file scan before the run; this reads it again, a window at a time."""
     try:
@@ -76,7 +80,7 @@ def file_range(path: InputFile, columns: list[str], start: int, stop: int) -> It
             if end > start and first < stop:
                 table = parquet.read_row_group(group, columns=present)
                 table = table.slice(max(start - first, 0), min(stop, end) - max(start, first))
-                yield from table.to_batches()
+                yield from (with_partition(batch, columns, partition) for batch in table.to_batches())
             first = end
             if first >= stop:
                 break
@@ -87,11 +91,21 @@ def file_range(path: InputFile, columns: list[str], start: int, stop: int) -> It
                              f"({first_line(exc)})") from None
 
 
-def scan_file(path: InputFile, columns: list[str], batch_rows: int, expected_rows: int) -> None:
+def scan_file(path: InputFile, columns: list[str], batch_rows: int, expected_rows: int,
+              partition: Mapping[str, str] = EMPTY) -> None:
     """Decode every value of `columns` once (memory: one record batch), so a corrupt file is refused before the
     model loads rather than in the middle of the run."""
-    for _ in file_batches(path, columns, batch_rows, expected_rows):
+    for _ in file_batches(path, columns, batch_rows, expected_rows, partition):
         pass
+
+
+def with_partition(batch: pa.RecordBatch, columns: list[str], partition: Mapping[str, str]) -> pa.RecordBatch:
+    """The batch with the values of its file's hive partition (`key=value` folders above it) among `columns` that the
+    file does not hold itself, as string columns."""
+    for name in columns:
+        if name in partition and name not in batch.schema.names:
+            batch = batch.append_column(name, pa.array([partition[name]] * batch.num_rows, pa.string()))
+    return batch
 
 
 def batch_values(batch: pa.RecordBatch) -> dict[str, list[Any]]:

@@ -67,12 +67,12 @@ def read_batches(config: JobConfig, inputs: InputFiles,
     become a Python value is Unreadable; a file that cannot be read raises InputReadError."""
     columns = read_columns(config, inputs.column_types)
     first_row = 0
-    for path, count in zip(inputs.files, inputs.row_counts):
+    for i, (path, count) in enumerate(zip(inputs.files, inputs.row_counts)):
         if done is not None and all(done[first_row:first_row + count]):
             first_row += count
             continue
         position = first_row
-        for batch in file_batches(path, columns, config.input.read_batch_rows, count):
+        for batch in file_batches(path, columns, config.input.read_batch_rows, count, inputs.partition(i)):
             values = batch_values(batch)
             rows = []
             for i in range(batch.num_rows):
@@ -91,10 +91,11 @@ def read_window(config: JobConfig, inputs: InputFiles, builder: PromptBuilder, s
     columns = read_columns(config, inputs.column_types)
     rows: list[SourceRow] = []
     first_row = 0
-    for path, count in zip(inputs.files, inputs.row_counts):
+    for i, (path, count) in enumerate(zip(inputs.files, inputs.row_counts)):
         if first_row < stop and first_row + count > start:
             position = max(start, first_row)
-            for batch in file_range(path, columns, position - first_row, min(stop, first_row + count) - first_row):
+            for batch in file_range(path, columns, position - first_row, min(stop, first_row + count) - first_row,
+                                    inputs.partition(i)):
                 values = batch_values(batch)
                 picked = [(position + i, {c: column[i] for c, column in values.items()})
                           for i in range(batch.num_rows) if done is None or not done[position + i - start]]
