@@ -4,6 +4,7 @@ loads (one line naming the key, file or column), 1 for a failure while running (
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import math
 import signal
@@ -84,36 +85,61 @@ def main() -> None:
               help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
 @click.option("--cost-per-hour", type=PositivePrice(), default=None, metavar="USD",
               help="Price of this machine per hour: _SUCCESS then records cost_per_hour and tokens_per_dollar.")
+@click.option("--progress-interval", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              metavar="SECONDS", help="Where stderr is not a terminal (or with --log-format json): a progress line "
+                                      "this often instead of the progress bar.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json: every line batchgen writes to stderr is one JSON object (progress, warnings, the summary, "
+                   "the error).")
 def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | None, quiet: bool, debug: bool,
-        cost_per_hour: float | None) -> None:
+        cost_per_hour: float | None, progress_interval: float, log_format: str) -> None:
     """Run the job in JOB.yaml; re-running the same command resumes it."""
     from batchgen.job import execute_job, load_job, prepare_job
+    from batchgen.job.progress_log import ProgressLog
 
     if executor is not None:
         overrides = (*overrides, f"executor.kind={executor}")
-    configure_logging(quiet)
-    bar = ProgressBar(disable=quiet or not sys.stderr.isatty())
+    as_json = log_format == "json"
+    configure_logging(quiet, as_json)
+    terminal = sys.stderr.isatty() and not as_json
+    bar = ProgressBar(disable=quiet or not terminal)
+    progress_log = ProgressLog(progress_interval) if not quiet and not terminal else None
+    shows = [shown for shown in (bar, progress_log) if shown is not None]
+
+    def close() -> None:
+        for shown in shows:
+            shown.close()
+
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # a scheduler's kill: commit what finished
     try:
-        with reported_failures(debug, before_exit=bar.close):
+        with reported_failures(debug, before_exit=close, as_json=as_json):
             prepared = prepare_job(load_job(job, overrides), overwrite=overwrite)
             prepared.cost_per_hour = cost_per_hour
             if prepared.complete is not None:
-                click.echo(f"batchgen: {prepared.out.path} is already complete ({prepared.complete.get('rows', 0)} "
-                           f"rows); nothing to do (--overwrite runs it again)", err=True)
+                message = (f"{prepared.out.path} is already complete ({prepared.complete.get('rows', 0)} rows); "
+                           f"nothing to do (--overwrite runs it again)")
+                click.echo(json.dumps({"level": "info", "logger": "batchgen", "message": message}) if as_json
+                           else f"batchgen: {message}", err=True)
                 return
-            summary = execute_job(prepared, on_progress=bar.update, on_start=bar.start)
+            summary = execute_job(prepared, on_progress=lambda p: [shown.update(p) for shown in shows],
+                                  on_start=lambda p: [shown.start(p) for shown in shows])
     finally:
         signal.signal(signal.SIGTERM, previous)
-    bar.close()
-    if not quiet:
+    close()
+    if not quiet and as_json:
+        logging.getLogger("batchgen.cli").info("done", extra={"summary": summary})
+    elif not quiet:
         click.echo(summary_table(summary, str(prepared.out.path)), err=True)
 
 
-def configure_logging(quiet: bool) -> None:
+def configure_logging(quiet: bool, as_json: bool = False) -> None:
     """batchgen's own messages at INFO (WARNING with --quiet); other libraries' only from WARNING, so that none of
-    their INFO lines (torch's at exit, say) lands after a failure's last line."""
+    their INFO lines (torch's at exit, say) lands after a failure's last line. as_json: each line a JSON object."""
     logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
+    if as_json:
+        from batchgen.job.progress_log import JsonFormatter
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     for name in ("batchgen", "batchgen_kernels"):
         logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.INFO)
 
@@ -161,9 +187,25 @@ def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int
     sys.exit(EXIT_JOB if made.problems else EXIT_OK)
 
 
+@main.command()
+@click.argument("output", metavar="OUTPUT")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of the line.")
+@click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
+              help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
+def status(output: str, as_json: bool, debug: bool) -> None:
+    """What the job writing OUTPUT (a directory or s3://...) has committed: rows done of the total, whether a run
+    is writing it, its rate over the last commits and an ETA; read from the output without disturbing the run."""
+    from batchgen.job.status import format_status, output_status
+
+    logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
+    with reported_failures(debug, resumable=False, as_json=as_json):
+        found = output_status(output)
+    click.echo(json.dumps(found) if as_json else format_status(found))
+
+
 @contextmanager
 def reported_failures(debug: bool, before_exit: Callable[[], None] = lambda: None,
-                      resumable: bool = True) -> Iterator[None]:
+                      resumable: bool = True, as_json: bool = False) -> Iterator[None]:
     """Every failure inside as its exit code and one last stderr line (a traceback before it only with --debug):
     a problem with the job 2, an interrupt 130, anything else a runtime failure, 1. `resumable`: the failure
     happened in a run, whose committed rows a re-run keeps (not in a plan, which writes nothing)."""
@@ -173,18 +215,18 @@ def reported_failures(debug: bool, before_exit: Callable[[], None] = lambda: Non
         yield
     except JobConfigError as exc:
         before_exit()
-        fail(EXIT_JOB, str(exc), debug)
+        fail(EXIT_JOB, str(exc), debug, as_json)
     except KeyboardInterrupt:
         before_exit()
         fail(EXIT_INTERRUPTED, "interrupted; finished rows are committed, re-run the same command to resume"
-              if resumable else "interrupted", debug)
+              if resumable else "interrupted", debug, as_json)
     except Exception as exc:
         before_exit()
         text = str(exc).strip()
         detail = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
         hint = "committed rows are kept; re-run the same command to resume" if resumable else "nothing was written"
         fail(EXIT_RUNTIME, f"runtime failure: {detail} ({hint}{'' if debug else '; --debug shows the traceback'})",
-              debug)
+              debug, as_json)
 
 
 def _raise_interrupt(signum, frame) -> None:

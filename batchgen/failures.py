@@ -1,6 +1,7 @@
 """How batchgen's command line ends: its exit codes and a failure's one last `batchgen: error: ...` line."""
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 
@@ -9,9 +10,11 @@ import click
 EXIT_OK, EXIT_RUNTIME, EXIT_JOB, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-def fail(code: int, message: str, debug: bool = False) -> None:
+def fail(code: int, message: str, debug: bool = False, as_json: bool = False) -> None:
+    """as_json (--log-format json): the line is a JSON object, as every other log line then is."""
     if debug and sys.exc_info()[0] is not None:
         traceback.print_exc()
     one_line = " ".join(line.strip() for line in message.splitlines() if line.strip())
-    click.echo(f"batchgen: error: {one_line}", err=True)
+    click.echo(json.dumps({"level": "error", "logger": "batchgen", "message": one_line, "exit_code": code})
+               if as_json else f"batchgen: error: {one_line}", err=True)
     sys.exit(code)

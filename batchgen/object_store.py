@@ -111,6 +111,7 @@ class RemoteFile:
     size: int
     etag: str | None
     store: Any = field(compare=False, repr=False)
+    modified: float | None = field(default=None, compare=False)  # Last-Modified as listed (epoch seconds)
 
     def __str__(self) -> str:
         return self.url

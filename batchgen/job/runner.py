@@ -35,6 +35,11 @@ class Progress:
     output_tokens: int = 0
     prompt_tokens: int = 0  # of generated rows
     cached_tokens: int = 0
+    error_rows: int = 0
+    preemptions: int = 0  # of finished rows (engine_stats has the engine's own count, where it runs here)
+    live_stats: Callable[[], dict] | None = None  # the engine's stats(), where the engine runs in this process
+    engine_stats: dict = field(default_factory=dict)  # its last snapshot, taken between rows (at most once a second)
+    stats_taken: float = 0.0
 
     def add(self, results: list[Result]) -> None:
         """One input row done: its result, or its samples'."""
@@ -42,9 +47,14 @@ class Progress:
         self.rows_this_run += 1
         for result in results:
             self.output_tokens += result.output_tokens
+            self.preemptions += result.num_preemptions
             if result.finish_reason != "error":
                 self.prompt_tokens += result.prompt_tokens
                 self.cached_tokens += result.cached_tokens
+        self.error_rows += any(result.finish_reason == "error" for result in results)
+        if self.live_stats is not None and time.monotonic() - self.stats_taken >= 1.0:
+            self.stats_taken = time.monotonic()
+            self.engine_stats = self.live_stats()
 
     @property
     def elapsed_s(self) -> float:
@@ -83,8 +93,9 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
             if on_progress:
                 on_progress(progress)
 
-        def started() -> None:
+        def started(live_stats: Callable[[], dict] | None = None) -> None:
             progress.generation_started = time.monotonic()
+            progress.live_stats = live_stats
             if on_start:
                 on_start(progress)
 

@@ -25,9 +25,10 @@ class ExecutorRun:
 
 class Executor(Protocol):
     def run(self, job: PreparedJob, sink: PartWriter, on_row: Callable[[list[Result]], None],
-            on_start: Callable[[], None]) -> ExecutorRun:
+            on_start: Callable[..., None]) -> ExecutorRun:
         """Write the rows `job.done` has not committed to `sink`, calling on_row(results) after each; on_start()
-        once the model is loaded and rows are about to flow."""
+        once the model is loaded and rows are about to flow (with the engine's `stats` where it runs in this
+        process, for the progress log: called only between rows, from the thread that calls on_row)."""
         ...
 
 

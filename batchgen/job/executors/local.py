@@ -16,9 +16,9 @@ from .base import ExecutorRun, error_result, result_groups
 
 class LocalExecutor:
     def run(self, job: PreparedJob, sink: PartWriter, on_row: Callable[[list[Result]], None],
-            on_start: Callable[[], None]) -> ExecutorRun:
+            on_start: Callable[..., None]) -> ExecutorRun:
         engine = load_engine(job)
-        on_start()
+        on_start(engine.stats)
         config = job.config
         rows = read_source(config, job.inputs, engine.tokenizer, engine.max_model_len, job.done,
                            context_limit=engine.context_limit)

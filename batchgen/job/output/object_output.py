@@ -59,8 +59,9 @@ class ObjectOutput:
             metas = list_objects(self.store, self.prefix)
         except Exception as exc:
             raise store_error(exc, self.url) from None
-        found = {meta["path"][len(self.prefix):]: RemoteFile(self.root + meta["path"], meta["size"],
-                                                              meta.get("e_tag"), self.store) for meta in metas}
+        found = {meta["path"][len(self.prefix):]: RemoteFile(self.root + meta["path"], meta["size"], meta.get("e_tag"),
+                                                              self.store, meta["last_modified"].timestamp())
+                 for meta in metas}
         return {name: file for name, file in found.items() if not name.startswith(".")}
 
     def names(self) -> list[str]:
