@@ -91,8 +91,13 @@ def main() -> None:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: every line batchgen writes to stderr is one JSON object (progress, warnings, the summary, "
                    "the error).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on this port while the run lives (needs the metrics extra).")
+@click.option("--metrics-linger", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+              help="Keep serving the final metrics this long after the run's end.")
 def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | None, quiet: bool, debug: bool,
-        cost_per_hour: float | None, progress_interval: float, log_format: str) -> None:
+        cost_per_hour: float | None, progress_interval: float, log_format: str, metrics_port: int | None,
+        metrics_linger: float) -> None:
     """Run the job in JOB.yaml; re-running the same command resumes it."""
     from batchgen.job import execute_job, load_job, prepare_job
     from batchgen.job.progress_log import ProgressLog
@@ -105,6 +110,7 @@ def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | N
     bar = ProgressBar(disable=quiet or not terminal)
     progress_log = ProgressLog(progress_interval) if not quiet and not terminal else None
     shows = [shown for shown in (bar, progress_log) if shown is not None]
+    metrics = None
 
     def close() -> None:
         for shown in shows:
@@ -113,6 +119,9 @@ def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | N
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # a scheduler's kill: commit what finished
     try:
         with reported_failures(debug, before_exit=close, as_json=as_json):
+            if metrics_port is not None:  # served from the start: a scraper finds it during the model load too
+                metrics = metrics_server(metrics_port, metrics_linger)
+                shows.append(metrics)
             prepared = prepare_job(load_job(job, overrides), overwrite=overwrite)
             prepared.cost_per_hour = cost_per_hour
             if prepared.complete is not None:
@@ -125,11 +134,30 @@ def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | N
                                   on_start=lambda p: [shown.start(p) for shown in shows])
     finally:
         signal.signal(signal.SIGTERM, previous)
-    close()
+    for shown in shows:
+        if shown is not metrics:
+            shown.close()
     if not quiet and as_json:
         logging.getLogger("batchgen.cli").info("done", extra={"summary": summary})
     elif not quiet:
         click.echo(summary_table(summary, str(prepared.out.path)), err=True)
+    if metrics is not None:
+        metrics.close(finished=True)  # after the summary: lingering, it serves the final values
+
+
+def metrics_server(port: int, linger_s: float):
+    """The run's Prometheus endpoint (job/metrics.py); a port it cannot listen on, or no prometheus_client, is a
+    problem with the command (exit 2)."""
+    from batchgen.job import JobConfigError
+
+    try:
+        from batchgen.job.metrics import MetricsServer
+        return MetricsServer(port, linger_s)
+    except ImportError:
+        raise JobConfigError("--metrics-port needs prometheus_client, which is not installed: pip install -e "
+                             "\".[metrics]\" in batchgen's checkout (scripts/setup.sh installs it)") from None
+    except OSError as exc:
+        raise JobConfigError(f"--metrics-port {port}: cannot listen ({exc.strerror or exc})") from None
 
 
 def configure_logging(quiet: bool, as_json: bool = False) -> None:

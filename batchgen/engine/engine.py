@@ -3,6 +3,7 @@ they finish. `generate()` is a loop over that public API, as the job runner, the
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from .sampler import PenaltyState, has_penalty
 from .scheduler import Scheduler, StepStats
 from .sequence import SequenceStatus
 from .startup import set_up
+from .step_times import StepTimes
 from .structured import GrammarCompiler
 
 
@@ -47,6 +49,7 @@ class Engine:
         self._rejected: list[Result] = []  # error results of requests not admitted, returned by the next step()
         self._last_choice: tuple[list[str], list[list[int]]] | None = None  # a `choice` and its candidates' ids
         self.num_steps = 0
+        self.step_times = StepTimes()
         self.last_step: StepStats | None = None
 
     # -- the public request API --------------------------------------------------------------------------------------
@@ -86,6 +89,7 @@ class Engine:
         results, self._rejected = self._rejected, []
         if not self.scheduler.has_unfinished():
             return results
+        started = time.perf_counter()
         out = self.scheduler.schedule()
         if not out:
             raise RuntimeError("scheduler could not schedule any work")  # the admission checks rule this out
@@ -99,6 +103,7 @@ class Engine:
             if group.on_finished(seq):
                 del self._unfinished[seq.request_id]
                 results.extend(group.results(self.output))
+        self.step_times.observe(time.perf_counter() - started)
         return results
 
     def abort(self, request_id: Any) -> bool:
@@ -145,6 +150,7 @@ class Engine:
             "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
             "num_preemptions": s.num_preemptions,
             "num_steps": self.num_steps,
+            **self.step_times.stats(),
             "kv_cache_tokens": self.kv_capacity,
             "dtype": str(self.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,

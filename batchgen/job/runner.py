@@ -105,6 +105,7 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
                 if row_keys:  # a column named `n` or `choice` is easily someone's data: say what it does here
                     log.info("input columns that set sampling per row: %s", ", ".join(row_keys))
                 run = executor_for(config.executor.kind).run(job, writer, notify, started)
+                progress.engine_stats = run.engine_stats or progress.engine_stats  # the final ones, for metrics
         except BaseException:
             _commit_quietly(writer)
             raise
