@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,6 +236,23 @@ def lock_output(out: OutputDir) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def lock_holder(out: OutputDir) -> int | None:
+    """The pid holding a running batchgen's lock on this output, from /proc/locks (Linux) without touching the
+    lock: taking it, even for an instant, could make a run that starts then fail."""
+    lock = out.tmp / "lock"  # lock_output's file
+    try:
+        stat = lock.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    for line in table.splitlines():
+        fields = line.split()
+        if "FLOCK" in fields and device in fields:
+            return int(fields[fields.index(device) - 1])
+    return None
 
 
 def _locked_file(out: OutputDir) -> int:

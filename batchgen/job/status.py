@@ -50,7 +50,7 @@ def output_status(path: str, storage: StorageConfig = StorageConfig()) -> dict[s
 def _holder(out: OutputDir | ObjectOutput) -> str | None:
     if isinstance(out, ObjectOutput):
         return live_lease(out)
-    from .plan.estimate import lock_holder
+    from .prepare import lock_holder
 
     pid = lock_holder(out)
     return None if pid is None else f"pid {pid}"

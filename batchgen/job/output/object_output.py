@@ -50,6 +50,7 @@ class ObjectOutput:
         self.run_id = uuid.uuid4().hex[:12]
         self.lease: Lease | None = None
         self._ledger: tuple[list[RemoteFile], list[RemoteFile]] | None = None  # (counted, superseded) run parts
+        self._schemas: dict[tuple[str, str | None], pa.Schema] = {}  # part footers read, by (URL, ETag)
 
     # -- what is there ----------------------------------------------------------------------------------------
 
@@ -84,7 +85,7 @@ class ObjectOutput:
         if unknown:
             return sorted(unknown)
         parts = [n for n in listing if n not in (SUCCESS, REWRITE_MANIFEST, LEASE)]
-        foreign = [n for n in parts if FINGERPRINT_KEY not in (read_part_schema(listing[n]).metadata or {})]
+        foreign = [n for n in parts if FINGERPRINT_KEY not in (self.part_schema(listing[n]).metadata or {})]
         if SUCCESS in listing and "fingerprint" not in (self.success() or {}):
             foreign.append(SUCCESS)
         return sorted(foreign)
@@ -116,8 +117,16 @@ class ObjectOutput:
         except ValueError:
             raise DamagedFileError(self.listing()[REWRITE_MANIFEST], "not valid JSON") from None
 
+    def part_schema(self, part: RemoteFile) -> pa.Schema:
+        """A part's schema from its footer, read once per version of the object: a run is checked before and
+        again after it takes the lease, and each check reads every part's footer."""
+        key = (part.url, part.etag)
+        if key not in self._schemas:
+            self._schemas[key] = read_part_schema(part)
+        return self._schemas[key]
+
     def run_part_schemas(self) -> dict[RemoteFile, pa.Schema]:
-        return {part: read_part_schema(part) for part in self.run_parts()}
+        return {part: self.part_schema(part) for part in self.run_parts()}
 
     def ledger(self, total_rows: int) -> tuple[bytearray, list[RemoteFile], list[RemoteFile]]:
         """(done[row] for every committed input row, the run parts counted, the parts superseded: holding a row an
@@ -226,7 +235,7 @@ def check_output_at(out: OutputDir | ObjectOutput, fingerprint: dict[str, Any], 
         refuse_changes(where, ((rewrite or {}).get("success") or success).get("fingerprint", {}), fingerprint)
         return success if rewrite is None else None
     for part in out.final_parts():  # a killed rewrite's: written again by this run, but only for the same job
-        refuse_changes(where, stored_fingerprint(read_part_schema(part)), fingerprint)
+        refuse_changes(where, stored_fingerprint(out.part_schema(part)), fingerprint)
     check_run_parts(where, out.run_part_schemas(), fingerprint, run_schema)
     return None
 

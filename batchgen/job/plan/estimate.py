@@ -5,7 +5,6 @@ Nothing is written: the output directory is only read."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,7 @@ from ..config import JobConfig, JobConfigError, setting_error
 from ..input.files import InputFiles
 from ..output.object_output import ObjectOutput, check_output_at, live_lease
 from ..output.resume import output_errors
-from ..prepare import PreparedJob, check_chat_template, engine_args_for, inspect_job
-from ..output.sink import OutputDir
+from ..prepare import PreparedJob, check_chat_template, engine_args_for, inspect_job, lock_holder
 from ..input.source import SourceRow, read_source
 from .precision_advice import advise_precision
 from .throughput import TimeEstimate, estimate_time, machine
@@ -363,23 +361,6 @@ def output_status(job: PreparedJob, overwrite: bool) -> tuple[str, int, list[str
     if done:
         return f"{done:,} of {total:,} rows committed: run resumes with the other {total - done:,}", total - done, []
     return "nothing yet: run starts with row 0", total, []
-
-
-def lock_holder(out: OutputDir) -> int | None:
-    """The pid holding a running batchgen's lock on this output, from /proc/locks (Linux) without touching the
-    lock: taking it, even for an instant, could make a run that starts then fail."""
-    lock = out.tmp / "lock"  # runner.lock_output's file
-    try:
-        stat = lock.stat()
-        table = Path("/proc/locks").read_text()
-    except OSError:
-        return None
-    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
-    for line in table.splitlines():
-        fields = line.split()
-        if "FLOCK" in fields and device in fields:
-            return int(fields[fields.index(device) - 1])
-    return None
 
 
 def percentile(sorted_values: list[int], q: float) -> int:
