@@ -231,6 +231,24 @@ def status(output: str, as_json: bool, debug: bool) -> None:
     click.echo(json.dumps(found) if as_json else format_status(found))
 
 
+@main.command()
+@click.argument("outputs", nargs=-1, required=True, metavar="OUTPUT [OUTPUT...]")
+@click.option("-o", "--out", "target", default=None, metavar="FILE",
+              help="Where to write the page. Default: one OUTPUT's own _report.html; for several, "
+                   "./batchgen-report.html.")
+@click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
+              help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
+def report(outputs: tuple[str, ...], target: str | None, debug: bool) -> None:
+    """Draw the job report of a finished OUTPUT (a directory or s3://...) again, or of several side by side: each
+    chart draws every output, the table gives each figure's ratio to the first's."""
+    from batchgen.job.report import write_report
+
+    logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
+    with reported_failures(debug, resumable=False):
+        written = write_report(list(outputs), target)
+    click.echo(written)
+
+
 @contextmanager
 def reported_failures(debug: bool, before_exit: Callable[[], None] = lambda: None,
                       resumable: bool = True, as_json: bool = False) -> Iterator[None]:

@@ -25,7 +25,7 @@ from batchgen.job.config import parse_job
 from batchgen.job.executors.ray import EngineReplica, run_on_ray
 from batchgen.job.executors.local import stream_rows
 from batchgen.job.prepare import engine_args_for, fingerprint_text, prepare_job
-from batchgen.job.output.sink import PartWriter
+from batchgen.job.output.part_writer import PartWriter
 from batchgen.job.input.source import read_source
 from batchgen.models.loader import load_tokenizer, resolve_model
 

@@ -41,7 +41,8 @@ def one_side(input_path: str, output_path: str, rows: int) -> dict:
     from batchgen.job.input.source import read_batches
     from batchgen.job.output.final_rewrite import finalize
     from batchgen.job.output.object_output import ObjectOutput, finalize_objects
-    from batchgen.job.output.sink import PartWriter, final_part_schema
+    from batchgen.job.output.part_writer import PartWriter
+    from batchgen.job.output.sink import final_part_schema
     from batchgen.job.prepare import fingerprint_text
 
     config = parse_job({"model": "default", "input": {"path": input_path, "id_column": "id"},

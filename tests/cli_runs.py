@@ -2,8 +2,10 @@
 that drive a job through the CLI quietly."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -16,3 +18,15 @@ def run_cli(job: Path, *args: str) -> subprocess.CompletedProcess:
 
 def read(out: Path) -> pl.DataFrame:
     return pl.read_parquet(f"{out}/*.parquet")
+
+
+def kill_after_parts(job: Path, out: Path, parts: int, timeout: float = 600) -> None:
+    """Run the job until it has committed `parts` run parts, then SIGKILL it."""
+    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("run-*.parquet"))) < parts and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

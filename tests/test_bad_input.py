@@ -75,7 +75,7 @@ class EchoEngine:
         self.args = args
         self.rows: list[int] = []
 
-    def generate(self, requests):
+    def generate(self, requests, on_step=None):
         for request in requests:
             self.rows.append(request.request_id)
             now = time.time()

@@ -107,11 +107,12 @@ def test_output_schema_and_types(finished):
     assert [(f.name, f.type) for f in schema] == expected
 
 
-def test_output_dir_holds_only_parts_and_success(finished):
+def test_output_dir_holds_only_parts_success_and_the_report(finished):
     root, _, table, _ = finished
     names = sorted(p.name for p in (root / "out").iterdir())
-    assert names[0] == "_SUCCESS" and all(n.startswith("part-") and n.endswith(".parquet") for n in names[1:])
-    assert len(names) - 1 == 4  # 11 rows, rows_per_part 3
+    assert names[:3] == ["_SUCCESS", "_report.html", "_timeline.json"]
+    assert all(n.startswith("part-") and n.endswith(".parquet") for n in names[3:])
+    assert len(names) - 3 == 4  # 11 rows, rows_per_part 3
     assert not (root / ".out.batchgen-tmp").exists()
 
 

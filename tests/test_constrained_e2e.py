@@ -7,12 +7,7 @@ the job's first 36, the rest of the rows all kept."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jsonschema
@@ -22,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from cli_runs import read, run_cli
+from cli_runs import kill_after_parts, read, run_cli
 
 LABELS = ["BILLING", "SHIPPING", "RETURNS", "ACCOUNT", "TECHNICAL", "PRODUCT", "PRIVACY", "FEEDBACK", "OTHER"]
 SCHEMA = {
@@ -175,14 +170,7 @@ def test_same_outputs_after_kill_9_and_resume_without_prefix_caching(root, basel
     it on) prove both, each once per (id, sample_index)."""
     job = make_job(root, "killed", "in-cut.parquet", enable_prefix_caching=False)
     out = root / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while len(list(out.glob("run-*.parquet"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after_parts(job, out, 3)
     committed = pl.concat([pl.read_parquet(p) for p in out.glob("run-*.parquet")])
     assert 0 < committed["_row"].n_unique() < NUM_CHOICE_CUT + NUM_JSON + NUM_DATE + NUM_SAMPLED
     resumed = run_cli(job)

@@ -29,7 +29,8 @@ from batchgen.job.executors.local import stream_rows
 from batchgen.job.prepare import PreparedJob, fingerprint_text, job_fingerprint
 from batchgen.job.output.schema import COLUMNS, ROW_COLUMN, OutputOptions, output_schema
 from batchgen.job.output.final_rewrite import finalize
-from batchgen.job.output.sink import OutputDir, PartWriter
+from batchgen.job.output.part_writer import PartWriter
+from batchgen.job.output.sink import OutputDir
 from batchgen.job.input.source import read_source
 
 SCHEMA = {"type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "integer"}},
@@ -548,7 +549,7 @@ class FakeEngine:
         self.fail_after = fail_after
         self.requested: list[int] = []
 
-    def generate(self, requests):
+    def generate(self, requests, on_step=None):
         given = 0
         for request in requests:
             self.requested.append(request.request_id)

@@ -30,7 +30,8 @@ from batchgen.job import JobConfigError, load_job, prepare_job
 from batchgen.job.prepare import check_input_unchanged, fingerprint_text
 from batchgen.job.runner import execute_job
 from batchgen.job.output.schema import output_schema
-from batchgen.job.output.sink import FINGERPRINT_KEY, PartWriter
+from batchgen.job.output.part_writer import PartWriter
+from batchgen.job.output.sink import FINGERPRINT_KEY
 from batchgen.models.loader import UnsupportedModelError, load_model
 
 ERROR = "batchgen: error: "

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from ray_processes import processes_under
+from report_pages import render_report
 from s3_server import ACCESS_KEY, SECRET_KEY, ThrottlingProxy, free_port, start_s3_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,13 +99,20 @@ def test_the_sample_job_to_s3_equals_the_local_run_and_leaks_no_credential(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert read(s3, "sample").equals(local)  # in input order, as the local parts
     found = objects(s3, "sample")
-    assert sorted(found) == ["_SUCCESS", *sorted(json.loads(found["_SUCCESS"])["parts"])]  # no run part, no lease
+    assert sorted(found) == ["_SUCCESS", "_report.html", "_timeline.json",
+                             *sorted(json.loads(found["_SUCCESS"])["parts"])]  # no run part, no lease
+    (tmp_path / "from_bucket.html").write_bytes(found["_report.html"])  # the report opens from a copy of the object
+    shown, _ = render_report(tmp_path / "from_bucket.html")
+    assert shown["health"]["rows"] == ["30"] and [row[2] for row in shown["runs"]] == ["finished"]
+    drawn = batchgen("report", f"s3://{BUCKET}/sample", s3.env(), "-o", str(tmp_path / "again.html"))
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert render_report(tmp_path / "again.html")[0]["health"] == shown["health"]
     again = batchgen("run", job, s3.env())
     assert again.returncode == 0 and "is already complete (30 rows)" in again.stderr, again.stderr[-3000:]
     replanned = batchgen("plan", job, s3.env())
     assert f"s3://{BUCKET}/sample: complete (30 rows, _SUCCESS)" in replanned.stdout, replanned.stdout[-2000:]
-    for text in [done.stderr, done.stdout, planned.stdout, again.stderr, replanned.stdout,
-                 *(data.decode("latin-1") for data in found.values())]:
+    for text in [done.stderr, done.stdout, planned.stdout, again.stderr, replanned.stdout, drawn.stdout,
+                 drawn.stderr, *(data.decode("latin-1") for data in found.values())]:
         assert ACCESS_KEY not in text and SECRET_KEY not in text
 
     overwritten = batchgen("run", job, s3.env(), "--overwrite", "--set", "output.order=completion", "--quiet")

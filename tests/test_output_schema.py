@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 from batchgen.engine.request import Result
 from batchgen.job.output.schema import (COLUMNS, KEEP_COLUMNS_ROW, OUTPUT_COLUMNS, ROW_POSITION_ID_TYPE, markdown_rows,
                                  output_schema)
-from batchgen.job.output.sink import OutputDir, PartWriter
+from batchgen.job.output.part_writer import PartWriter
+from batchgen.job.output.sink import OutputDir
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -247,7 +247,7 @@ def test_partial_output_is_read_not_taken(tiny_job, tmp_path):
     from batchgen.engine.request import Result
     from batchgen.job import prepare_job
     from batchgen.job.prepare import fingerprint_text
-    from batchgen.job.output.sink import PartWriter
+    from batchgen.job.output.part_writer import PartWriter
 
     config = load_job(tiny_job, [f"output.path={tmp_path / 'out'}"])
     job = prepare_job(config)

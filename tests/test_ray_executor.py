@@ -25,6 +25,7 @@ import ray  # noqa: F401 -- the `ray` extra is part of the test setup: a missing
 from batchgen.machine import cpu_flags
 from cli_runs import read, run_cli
 from ray_processes import processes_under
+from report_pages import render_report
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = yaml.safe_load((ROOT / "jobs" / "sample.yaml").read_text())
@@ -129,6 +130,12 @@ def test_ray_output_equals_the_local_executors(tmp_path, prompts, local):
     assert sum(r["rows"] for r in summary["replicas"].values()) == summary["rows"] == local.height
     assert sum(r["output_tokens"] for r in summary["replicas"].values()) == summary["output_tokens"]
     assert all(r["wall_s"] > 0 and r["engine_stats"]["num_steps"] > 0 for r in summary["replicas"].values())
+    # the report: a lane per replica, from the stats each sends with its results; a row per replica in its table
+    shown, _ = render_report(tmp_path / "out" / "_report.html")
+    assert sorted(shown["charts"]["throughput"]["series"]) == ["replica 0", "replica 1"]
+    assert sorted(shown["charts"]["kv"]["series"]) == ["replica 0", "replica 1"]
+    assert shown["charts"]["ttft"]["series"] == ["all rows", "replica 0", "replica 1"]
+    assert [row[2] for row in shown["replicas"]] == [str(summary["replicas"][r]["rows"]) for r in ("0", "1")]
 
 
 @pytest.mark.slow
@@ -160,6 +167,8 @@ def test_a_driver_killed_mid_run_resumes_with_every_row_once(tmp_path, prompts, 
     assert ours.select(COMPARED).equals(local.select(COMPARED))
     summary = json.loads((out / "_SUCCESS").read_text())
     assert summary["resumed"] and summary["rows_this_run"] == local.height - committed.height
+    runs = json.loads((out / "_timeline.json").read_text())["runs"]  # the killed run's timeline, as last saved
+    assert [run["status"] for run in runs] == ["running", "finished"]
 
 
 INVARIANT_MODES = [("bfloat16", None), ("float32", None), ("bfloat16", "int8-weight-only"), ("float32", "int8")]

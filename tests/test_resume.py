@@ -24,7 +24,7 @@ from batchgen.job import load_job, prepare, prepare_job
 from batchgen.job.executors import local
 from batchgen.job.output import sink as sink_module
 from batchgen.job.config import ROW_COLUMN
-from batchgen.job.output.sink import PartWriter
+from batchgen.job.output.part_writer import PartWriter
 from batchgen.job.prepare import fingerprint_text
 
 SYSTEM = "You are a friendly tutor. Answer the student's question in two or three sentences, simply and kindly."
@@ -188,8 +188,8 @@ def test_runtime_failure_exits_1_and_keeps_what_finished(tmp_path, monkeypatch):
         def __getattr__(self, name):  # the engine's tokenizer, limits, ...
             return getattr(self.engine, name)
 
-        def generate(self, requests):
-            for n, result in enumerate(self.engine.generate(requests)):
+        def generate(self, requests, on_step=None):
+            for n, result in enumerate(self.engine.generate(requests, on_step)):
                 if n == 3:
                     raise RuntimeError("device lost")
                 yield result
@@ -253,7 +253,8 @@ def test_a_failure_while_writing_success_leaves_nothing_in_the_output(tmp_path, 
     monkeypatch.setattr(sink_module, "_fsync", disk_full)
     result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
     assert result.exit_code == 1 and "No space left on device" in result.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_report.html", "_timeline.json",
+                                                                    "part-00000.parquet", "part-00001.parquet"]
     monkeypatch.setattr(sink_module, "_fsync", real_fsync)
     result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
     assert result.exit_code == 0, result.stderr
@@ -286,8 +287,8 @@ def test_a_run_that_finished_while_this_one_took_the_lock_is_not_redone(tmp_path
     prepared = prepare_job(load_job(job))
     assert prepared.complete is not None and prepared.complete["rows"] == 4 and prepared.lock_fd is None
     assert not (tmp_path / ".out.batchgen-tmp").exists()
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_SUCCESS", "part-00000.parquet",
-                                                                   "part-00001.parquet"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_SUCCESS", "_report.html", "_timeline.json",
+                                                                   "part-00000.parquet", "part-00001.parquet"]
 
 
 def test_max_model_len_is_part_of_the_job(tmp_path):

@@ -17,7 +17,8 @@ from batchgen.job.output import sink as sink_module
 from batchgen.job.config import JobConfigError, parse_job
 from batchgen.job.output.schema import OUTPUT_COLUMNS, ROW_COLUMN, output_schema
 from batchgen.job.output.final_rewrite import RowTotals, apply_rewrite, finalize
-from batchgen.job.output.sink import SCRATCH_MARK, OutputDir, PartWriter
+from batchgen.job.output.part_writer import PartWriter
+from batchgen.job.output.sink import SCRATCH_MARK, OutputDir
 from batchgen.job.input.files import find_input_files, inspect_input
 from batchgen.job.input.source import SourceRow, read_source, sort_windows
 

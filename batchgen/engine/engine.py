@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+from batchgen.machine import process_rss
 
 from .engine_args import EngineArgs
 from .kv_cache_manager import KVCacheManager
@@ -49,6 +51,8 @@ class Engine:
         self._rejected: list[Result] = []  # error results of requests not admitted, returned by the next step()
         self._last_choice: tuple[list[str], list[list[int]]] | None = None  # a `choice` and its candidates' ids
         self.num_steps = 0
+        self.num_results = 0  # results returned (a request of n samples: n), error results included
+        self.num_sampled_tokens = 0  # output tokens, counted as they are sampled
         self.step_times = StepTimes()
         self.last_step: StepStats | None = None
 
@@ -87,6 +91,7 @@ class Engine:
         """One engine step. Returns the results that finished in it, after the error results of requests added
         since the last step; [] when there is nothing to do."""
         results, self._rejected = self._rejected, []
+        self.num_results += len(results)
         if not self.scheduler.has_unfinished():
             return results
         started = time.perf_counter()
@@ -98,12 +103,16 @@ class Engine:
         self.runner.copy_blocks(*self.kv_cache_manager.take_pending_copies())
         step = self.runner.execute(out.num_scheduled_tokens)
         self.num_steps += 1
+        self.num_sampled_tokens += len(step.sampled)
         for seq in self.scheduler.update_from_output(out, step, self.output.stop_reason):
             group = self._unfinished[seq.request_id]
             if group.on_finished(seq):
                 del self._unfinished[seq.request_id]
-                results.extend(group.results(self.output))
-        self.step_times.observe(time.perf_counter() - started)
+                finished = group.results(self.output)
+                self.num_results += len(finished)
+                results.extend(finished)
+        self.step_times.observe(time.perf_counter() - started, self.last_step.num_seqs,
+                                self.last_step.num_decodes + self.last_step.num_prefill_tokens)
         return results
 
     def abort(self, request_id: Any) -> bool:
@@ -119,9 +128,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._unfinished or self._rejected)
 
-    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+    def generate(self, requests: Iterable[Request], on_step: Callable[[], None] | None = None) -> Iterator[Result]:
         """Yield a Result for every request, in completion order. `requests` may be a lazy iterable of any length:
-        a new one is pulled only while fewer than max_num_seqs requests wait to run."""
+        a new one is pulled only while fewer than max_num_seqs requests wait to run. on_step(): called after each
+        step (the job runner samples the engine's stats there for its timeline)."""
         source = iter(requests)
         exhausted = False
         while True:
@@ -135,7 +145,10 @@ class Engine:
                 if exhausted:
                     return
                 continue
-            yield from self.step()
+            results = self.step()
+            if on_step is not None:
+                on_step()
+            yield from results
 
     def stats(self) -> dict:
         """Counters of the run so far, the dtype and the attention kernels and why, and the KV pool: its size and
@@ -151,6 +164,10 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "num_steps": self.num_steps,
             **self.step_times.stats(),
+            "num_results": self.num_results,
+            "num_sampled_tokens": self.num_sampled_tokens,
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
             "kv_cache_tokens": self.kv_capacity,
             "dtype": str(self.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
@@ -174,6 +191,7 @@ class Engine:
             "kv_local_peak_blocks_used": local["peak"],
             "kv_local_blocks_touched": local["touched"],
             "peak_memory_bytes": peak_rss_bytes(),
+            "rss_bytes": process_rss(),
         }
 
     def _local_kv_stats(self) -> dict:

@@ -105,6 +105,7 @@ class OutputConfig:
     rows_per_part: int = 1000
     commit_interval_s: float = 60.0
     parse_json: bool = False  # the `json` column: each row's text parsed, typed from sampling.json_schema
+    report: bool = True  # _report.html, the job report, written before _SUCCESS
 
 
 @dataclass(frozen=True)
@@ -387,13 +388,11 @@ def _check_storage(cfg: StorageConfig) -> None:
 def _check_output(cfg: OutputConfig) -> None:
     if not cfg.path.strip():
         raise JobConfigError("output.path: must not be empty")
-    seen = set()
-    for column in cfg.keep_columns:
+    for i, column in enumerate(cfg.keep_columns):
         if column in OUTPUT_COLUMNS or column == ROW_COLUMN:
             raise JobConfigError(f"output.keep_columns: {column!r} clashes with an output column")
-        if column in seen:
+        if column in cfg.keep_columns[:i]:
             raise JobConfigError(f"output.keep_columns: {column!r} is listed twice")
-        seen.add(column)
     if cfg.rows_per_part < 1:
         raise JobConfigError("output.rows_per_part: must be at least 1")
     if cfg.commit_interval_s <= 0:

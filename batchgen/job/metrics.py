@@ -1,7 +1,7 @@
 """`batchgen run --metrics-port N`: the run's counters as Prometheus metrics over HTTP while it lives, through
 prometheus_client (the `metrics` extra). Its own registry (nothing global), read at each scrape from the run's
 Progress: the engine is never touched from the server's thread (its stats are the snapshot Progress takes between
-rows). The names, one table (the README's "Metrics" lists them from here):"""
+steps; on Ray, the replicas' last stats, summed). The names, one table (the README's "Metrics" lists them from here):"""
 from __future__ import annotations
 
 import time
@@ -17,11 +17,11 @@ METRICS: tuple[tuple[str, str, str, Callable[[Progress], float | None]], ...] = 
     ("batchgen_prompt_tokens", "counter", "Prompt tokens of this run's rows that were not errors",
      lambda p: p.prompt_tokens),
     ("batchgen_cached_tokens", "counter", "Of those, tokens served by the prefix cache", lambda p: p.cached_tokens),
-    ("batchgen_preemptions", "counter", "Sequences preempted by the engine (where it runs in this process)",
+    ("batchgen_preemptions", "counter", "Sequences preempted by the engine (on Ray: its replicas)",
      lambda p: p.engine_stats.get("num_preemptions", p.preemptions)),
     ("batchgen_rows_done", "gauge", "Input rows committed, earlier runs' included", lambda p: p.rows_done),
     ("batchgen_rows_input", "gauge", "Input rows of the job", lambda p: p.rows_total),
-    ("batchgen_kv_blocks_in_use", "gauge", "KV cache blocks in use now (where the engine runs in this process)",
+    ("batchgen_kv_blocks_in_use", "gauge", "KV cache blocks in use now (on Ray: summed over its replicas)",
      lambda p: p.engine_stats.get("kv_blocks_in_use")),
     ("batchgen_kv_pool_blocks", "gauge", "KV cache blocks in the pool", lambda p: p.engine_stats.get("kv_pool_blocks")),
 )

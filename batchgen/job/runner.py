@@ -2,6 +2,7 @@
 job's executor into the part writer, then finalizes the output and writes _SUCCESS with the run's summary."""
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import time
@@ -17,15 +18,19 @@ from .config import ROW_SAMPLING_KEYS
 from .executors import ExecutorRun, executor_for
 from .output.final_rewrite import RowTotals, apply_rewrite, finalize
 from .output.object_output import ObjectOutput, apply_object_rewrite, finalize_objects
-from .output.sink import PartWriter, final_part_schema
+from .output.part_writer import PartWriter
+from .output.sink import final_part_schema
+from .output.sink import TIMELINE
 from .prepare import PreparedJob, check_input_unchanged, fingerprint_text, resolved_dtype
+from .report import JobReport
+from .timeline import SAMPLE_INTERVAL_S, Timeline, parse_timeline
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Progress:
-    """Counters of the run in progress, for the progress bar."""
+    """Counters of the run in progress, for the progress bar, the progress log, the metrics and the timeline."""
 
     rows_total: int
     rows_done: int  # including rows committed by earlier runs
@@ -36,10 +41,10 @@ class Progress:
     prompt_tokens: int = 0  # of generated rows
     cached_tokens: int = 0
     error_rows: int = 0
-    preemptions: int = 0  # of finished rows (engine_stats has the engine's own count, where it runs here)
-    live_stats: Callable[[], dict] | None = None  # the engine's stats(), where the engine runs in this process
-    engine_stats: dict = field(default_factory=dict)  # its last snapshot, taken between rows (at most once a second)
-    stats_taken: float = 0.0
+    preemptions: int = 0  # of finished rows (engine_stats has the engines' own count)
+    lane_stats: dict[str, dict] = field(default_factory=dict)  # each engine's last stats, by timeline lane
+    stats_taken: dict[str, float] = field(default_factory=dict)
+    timeline: Timeline | None = None
 
     def add(self, results: list[Result]) -> None:
         """One input row done: its result, or its samples'."""
@@ -52,9 +57,35 @@ class Progress:
                 self.prompt_tokens += result.prompt_tokens
                 self.cached_tokens += result.cached_tokens
         self.error_rows += any(result.finish_reason == "error" for result in results)
-        if self.live_stats is not None and time.monotonic() - self.stats_taken >= 1.0:
-            self.stats_taken = time.monotonic()
-            self.engine_stats = self.live_stats()
+        if self.timeline is not None:
+            self.timeline.observe_job(self.rows_done, self.error_rows, self.output_tokens)
+
+    def engine_sample(self, lane: str, stats: dict | Callable[[], dict], force: bool = False) -> None:
+        """An engine's stats (Engine.stats(), or that method, called only if a sample is due): kept at most every
+        SAMPLE_INTERVAL_S per lane, and offered to the timeline. Called between engine steps or rows, from the thread
+        that calls add()."""
+        now = time.monotonic()
+        if not force and now - self.stats_taken.get(lane, float("-inf")) < SAMPLE_INTERVAL_S:
+            return
+        self.stats_taken[lane] = now
+        self.lane_stats[lane] = stats() if callable(stats) else stats
+        if self.timeline is not None:
+            self.timeline.observe_engine(lane, self.lane_stats[lane], force=force)
+
+    @property
+    def engine_stats(self) -> dict:
+        """The engine's last stats; with several (Ray replicas), their counts summed."""
+        if len(self.lane_stats) <= 1:
+            return next(iter(self.lane_stats.values()), {})
+        lanes = list(self.lane_stats.values())
+        summed = {key: sum(lane.get(key) or 0 for lane in lanes)
+                  for key in ("num_preemptions", "kv_blocks_in_use", "kv_pool_blocks", "step_seconds_sum")}
+        counts = [lane["step_seconds_counts"] for lane in lanes if lane.get("step_seconds_counts")]
+        if counts:
+            summed["step_seconds_counts"] = [sum(column) for column in zip(*counts)]
+            summed["step_seconds_buckets"] = next(lane["step_seconds_buckets"] for lane in lanes
+                                                  if lane.get("step_seconds_counts"))
+        return summed
 
     @property
     def elapsed_s(self) -> float:
@@ -82,10 +113,15 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
             return apply_object_rewrite(out) if in_store else apply_rewrite(out)
         started_at = datetime.now(timezone.utc)
         done = job.done = job.done if job.done is not None else out.done_rows(job.inputs.total_rows)
-        progress = Progress(job.inputs.total_rows, done.count(1))
-        writer = PartWriter(out, job.schema, fingerprint_text(job.fingerprint), config.output.rows_per_part,
+        fingerprint = fingerprint_text(job.fingerprint)
+        earlier = parse_timeline(out.read_text(TIMELINE), fingerprint)
+        timeline = Timeline(earlier["runs"] if earlier else [], rows_at_start=done.count(1))
+        progress = Progress(job.inputs.total_rows, done.count(1), timeline=timeline)
+        save_timeline = lambda status: out.write_text(TIMELINE, json.dumps(timeline.to_json(fingerprint, status)))
+        writer = PartWriter(out, job.schema, fingerprint, config.output.rows_per_part,
                             config.output.commit_interval_s, sort_by_row=config.output.order == "input",
-                            json_type=job.options.json)
+                            json_type=job.options.json,
+                            on_commit=lambda: save_timeline("running") if timeline.write_due() else None)
         run = ExecutorRun()
 
         def notify(results: list[Result]) -> None:
@@ -93,9 +129,9 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
             if on_progress:
                 on_progress(progress)
 
-        def started(live_stats: Callable[[], dict] | None = None) -> None:
+        def started() -> None:
             progress.generation_started = time.monotonic()
-            progress.live_stats = live_stats
+            timeline.observe_job(progress.rows_done, progress.error_rows, progress.output_tokens, force=True)
             if on_start:
                 on_start(progress)
 
@@ -104,26 +140,31 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
                 row_keys = [key for key in ROW_SAMPLING_KEYS if key in job.inputs.column_types]
                 if row_keys:  # a column named `n` or `choice` is easily someone's data: say what it does here
                     log.info("input columns that set sampling per row: %s", ", ".join(row_keys))
-                run = executor_for(config.executor.kind).run(job, writer, notify, started)
-                progress.engine_stats = run.engine_stats or progress.engine_stats  # the final ones, for metrics
+                run = executor_for(config.executor.kind).run(job, writer, notify, started, progress.engine_sample)
+                for lane, stats in run.final_stats().items():  # the final ones, for metrics and the timeline
+                    progress.engine_sample(lane, stats, force=True)
+            timeline.observe_job(progress.rows_done, progress.error_rows, progress.output_tokens, force=True)
         except BaseException:
-            _commit_quietly(writer)
+            _commit_quietly(writer.commit, lambda: save_timeline("failed"))
             raise
         writer.commit()
         check_input_unchanged(job)
+        save_timeline("finished")
         summarize = lambda totals: build_summary(job, totals, progress, run, started_at)
+        report = JobReport(out.path, timeline.to_json(fingerprint, "finished")) if config.output.report else None
         final = finalize_objects if in_store else finalize
-        return final(out, final_part_schema(job.schema, fingerprint_text(job.fingerprint)), job.inputs.total_rows,
-                     config.output.order, config.output.rows_per_part, summarize)
+        return final(out, final_part_schema(job.schema, fingerprint), job.inputs.total_rows,
+                     config.output.order, config.output.rows_per_part, summarize, report)
     finally:
         job.release()
 
 
-def _commit_quietly(writer: PartWriter) -> None:
-    try:
-        writer.commit()
-    except Exception:
-        pass  # the original failure is the one to report
+def _commit_quietly(*steps: Callable[[], None]) -> None:
+    for step in steps:
+        try:
+            step()
+        except Exception:
+            pass  # the original failure is the one to report
 
 
 # What a run may hold beyond its weights and the KV blocks it used: python, torch and the other modules, the tokenizer,
@@ -147,6 +188,7 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
     wall_s = progress.elapsed_s
     peak = max(engine_stats.get("peak_memory_bytes", 0), peak_rss_bytes())
     dtype = resolved_dtype(job.config)
+    from batchgen.machine import machine_info
     summary = {
         "rows": totals.rows,
         "output_rows": totals.output_rows,
@@ -177,6 +219,7 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
         "fingerprint": job.fingerprint,
         "versions": {"batchgen": batchgen.__version__, "torch": torch.__version__,
                      "python": platform.python_version()},
+        "machine": machine_info(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()

@@ -11,7 +11,7 @@ from batchgen.engine import Result
 
 if TYPE_CHECKING:
     from ..input.source import SourceRow
-    from ..output.sink import PartWriter
+    from ..output.part_writer import PartWriter
     from ..prepare import PreparedJob
 
 
@@ -22,13 +22,21 @@ class ExecutorRun:
     engine_stats: dict = field(default_factory=dict)  # the engine's, when it ran in this process
     replicas: dict | None = None  # a Ray run: what each replica did
 
+    def final_stats(self) -> dict[str, dict]:
+        """Each engine's final stats by its timeline lane."""
+        if self.replicas is not None:
+            return {f"replica {index}": replica["engine_stats"] for index, replica in self.replicas.items()
+                    if replica.get("engine_stats")}
+        return {"engine": self.engine_stats} if self.engine_stats else {}
+
 
 class Executor(Protocol):
     def run(self, job: PreparedJob, sink: PartWriter, on_row: Callable[[list[Result]], None],
-            on_start: Callable[..., None]) -> ExecutorRun:
+            on_start: Callable[[], None], on_stats: Callable[[str, dict | Callable[[], dict]], None]) -> ExecutorRun:
         """Write the rows `job.done` has not committed to `sink`, calling on_row(results) after each; on_start()
-        once the model is loaded and rows are about to flow (with the engine's `stats` where it runs in this
-        process, for the progress log: called only between rows, from the thread that calls on_row)."""
+        once the model is loaded and rows are about to flow; on_stats(lane, stats) with an engine's stats as they
+        come (`engine`: the local engine's stats method, called only if a sample is due; `replica N`: the stats a Ray
+        replica sent with its results). on_row and on_stats are called from one thread, between rows."""
         ...
 
 

@@ -9,20 +9,24 @@ from batchgen.engine.errors import SettingError
 
 from ..config import JobConfigError, setting_error
 from ..input.source import SourceRow, read_source
-from ..output.sink import PartWriter
+from ..output.part_writer import PartWriter
 from ..prepare import PreparedJob, check_chat_template, engine_args_for
 from .base import ExecutorRun, error_result, result_groups
 
 
 class LocalExecutor:
     def run(self, job: PreparedJob, sink: PartWriter, on_row: Callable[[list[Result]], None],
-            on_start: Callable[..., None]) -> ExecutorRun:
+            on_start: Callable[[], None], on_stats: Callable[[str, Any], None]) -> ExecutorRun:
         engine = load_engine(job)
-        on_start(engine.stats)
+        on_start()
         config = job.config
         rows = read_source(config, job.inputs, engine.tokenizer, engine.max_model_len, job.done,
                            context_limit=engine.context_limit)
-        stream_rows(rows, engine.generate, sink, on_row, json_schema=config.sampling.json_schema)
+
+        sample = lambda: on_stats("engine", engine.stats)
+        sample()  # before the first step: the counters' zero, so the first interval has a rate too
+        stream_rows(rows, lambda requests: engine.generate(requests, on_step=sample), sink, on_row,
+                    json_schema=config.sampling.json_schema)
         return ExecutorRun(engine_stats=engine.stats())
 
 

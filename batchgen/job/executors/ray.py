@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 from batchgen.engine import Request, Result
 
 from ..config import JobConfig
-from ..output.sink import PartWriter
+from ..output.part_writer import PartWriter
 from ..prepare import PreparedJob, check_chat_template, engine_args_for
 from .base import ExecutorRun, error_result, result_groups
 
@@ -149,11 +149,12 @@ def connect(address: str | None) -> bool:
 
 def run_on_ray(config: JobConfig, inputs: Any, done: bytearray, engine_args: Any,
                write: Callable[[int, Any, tuple, list[Result], bool, int], None],
-               replica_class: type = EngineReplica) -> dict:
+               replica_class: type = EngineReplica,
+               on_stats: Callable[[str, dict], None] = lambda lane, stats: None) -> dict:
     """Generate every row not in `done` on `config.executor.replicas` replicas, calling write(row, id, kept
-    values, results, parse_json, replica) once per row (a row a retried window returns again is dropped). Returns
-    the per-replica totals for _SUCCESS. `replica_class`: an EngineReplica (scripts/driver_throughput.py passes one
-    whose engine answers instantly)."""
+    values, results, parse_json, replica) once per row (a row a retried window returns again is dropped), and
+    on_stats(`replica N`, its engine stats) as each replica's arrive. Returns the per-replica totals for _SUCCESS.
+    `replica_class`: an EngineReplica (scripts/driver_throughput.py passes one whose engine answers instantly)."""
     import ray
     import ray.data
 
@@ -180,6 +181,7 @@ def run_on_ray(config: JobConfig, inputs: Any, done: bytearray, engine_args: Any
                 replica_totals = totals.setdefault(int(replica), ReplicaTotals())
                 if stats:
                     replica_totals.engine_stats = pickle.loads(stats)
+                    on_stats(f"replica {int(replica)}", replica_totals.engine_stats)
                 row = int(row)
                 if written[row]:
                     continue  # a retried window's row, already written
@@ -201,7 +203,7 @@ def _cluster_has_gpus() -> bool:
 
 class RayExecutor:
     def run(self, job: PreparedJob, sink: PartWriter, on_row: Callable[[list[Result]], None],
-            on_start: Callable[[], None]) -> ExecutorRun:
+            on_start: Callable[[], None], on_stats: Callable[[str, Any], None]) -> ExecutorRun:
         """The rows left on Ray replicas; this process (the driver) writes them."""
         from batchgen.models.loader import load_tokenizer, resolve_model
 
@@ -214,5 +216,5 @@ class RayExecutor:
             on_row(results)
 
         engine_args = engine_args_for(config, job.done.count(0), job.model)
-        replicas = run_on_ray(config, job.inputs, job.done, engine_args, write)
+        replicas = run_on_ray(config, job.inputs, job.done, engine_args, write, on_stats=on_stats)
         return ExecutorRun(replicas=replicas)

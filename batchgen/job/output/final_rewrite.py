@@ -1,14 +1,15 @@
 """The final rewrite of a job's output: the committed run parts rewritten into the final parts (input or
-completion order, without `_row`), then `_SUCCESS`. Crash-safe: the final parts are built in the temp directory
+completion order, without `_row`) and the job report, then `_SUCCESS`. Crash-safe: the final parts are built in the temp directory
 while the run parts stay; then a manifest (`_PLAN.json`: what to remove, what to move in, the summary) is
 committed, and applied (again, on resume, if interrupted)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -16,8 +17,10 @@ import pyarrow.compute as pc
 
 from . import sink  # its writes called through the module: tests stand in for them
 from .schema import ROW_COLUMN
-from .sink import (REWRITE_MANIFEST, SUCCESS, OutputDir, PartFile, _row_statistics, in_row_order, part_metadata,
+from .sink import (REPORT, REWRITE_MANIFEST, SUCCESS, OutputDir, PartFile, _row_statistics, in_row_order, part_metadata,
                    read_part)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,12 +54,33 @@ class RowTotals:
             setattr(self, name, getattr(self, name) + (pc.sum(table[column]).as_py() or 0))
 
 
+class FinalReport(Protocol):
+    """The job report (job/report/), fed every table of the final rewrite, then rendered with the summary."""
+
+    def add(self, table: pa.Table) -> None: ...
+
+    def html(self, summary: dict) -> str: ...
+
+
+def report_html(report: FinalReport | None, summary: dict) -> str | None:
+    """The report's page; None without one, or when it fails: the output is whole without it, so a failure to draw
+    it is a warning (`batchgen report OUTPUT` draws it again), not the job's."""
+    if report is None:
+        return None
+    try:
+        return report.html(summary)
+    except Exception as exc:
+        log.warning("the job report was not written (%s: %s); `batchgen report` draws it from the output",
+                    type(exc).__name__, exc)
+        return None
+
+
 def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
-             summary: Callable[[RowTotals], dict]) -> dict:
+             summary: Callable[[RowTotals], dict], report: FinalReport | None = None) -> dict:
     """Rewrite the run parts as the final parts (input or completion order, without `_row`; `schema` is the
-    final parts', fingerprint included) and write _SUCCESS. Crash-safe: the final parts are built in the temp
-    directory while the run parts stay; then a manifest naming what to remove and what to move in is committed, and
-    applied (again, on resume, if interrupted)."""
+    final parts', fingerprint included), the report, and write _SUCCESS. Crash-safe: the final parts are built in the
+    temp directory while the run parts stay; then a manifest naming what to remove and what to move in is committed,
+    and applied (again, on resume, if interrupted)."""
     if out.staging.exists():
         shutil.rmtree(out.staging)
     out.staging.mkdir(parents=True)
@@ -66,6 +90,8 @@ def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, row
     totals, names = RowTotals(), []
     for table in tables:  # each holds all of its input rows' samples: they were committed in one run part
         totals.add(table)
+        if report is not None:
+            report.add(table)
         table = table.drop_columns([ROW_COLUMN]).cast(schema)
         names.append(f"part-{len(names):05d}.parquet")
         sink.atomic_write(table, out, names[-1], directory=out.staging)
@@ -74,7 +100,12 @@ def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, row
         sink.atomic_write(schema.empty_table(), out, names[-1], directory=out.staging)
     if totals.rows != total_rows:
         raise RuntimeError(f"internal error: {totals.rows} rows committed for {total_rows} input rows")
-    manifest = {"remove": [p.name for p in run_parts], "add": names, "success": summary(totals)}
+    success = summary(totals)
+    page = report_html(report, success)
+    if page is not None:
+        sink.atomic_write_text(out.staging / REPORT, page)
+    manifest = {"remove": [p.name for p in run_parts], "add": names + ([REPORT] if page is not None else []),
+                "success": success}
     sink.atomic_write_text(out.staging / REWRITE_MANIFEST, json.dumps(manifest))
     return apply_rewrite(out)
 

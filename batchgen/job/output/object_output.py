@@ -6,6 +6,8 @@ docs/architecture.md ("Exactly once in object storage"); in short:
                                  their listing (a PUT is atomic: an object is whole or absent)
     _LEASE                       the output's lock (lease.py): one run writes at a time; a killed run's goes stale
     part-00000.parquet ...       the final rewrite's parts, written while the run parts stay
+    _timeline.json               the runs' samples over time (job/timeline.py), rewritten as parts commit
+    _report.html                 the job report, before the manifest
     _PLAN.json                   the rewrite's manifest, once every final part is written: what to delete, the summary
     _SUCCESS                     last, after the run parts are deleted: the marker readers wait for; it names the parts
 
@@ -29,12 +31,13 @@ import pyarrow.parquet as pq
 from batchgen.object_store import (RemoteFile, StorageConfig, is_not_found, is_remote, list_objects, make_store,
                                    split_url, store_error)
 
-from .final_rewrite import RowTotals, ordered_tables
+from .final_rewrite import FinalReport, RowTotals, ordered_tables, report_html
 from .lease import LEASE, Lease, describe, read_lease
 from .resume import check_output, check_run_parts, refuse_changes, stored_fingerprint
 from .schema import ROW_COLUMN
-from .sink import (FINAL_PART, FINGERPRINT_KEY, OBJECT_RUN_PART, REWRITE_MANIFEST, RUN_PART_ROW_GROUP, SUCCESS,
-                   DamagedFileError, OutputDir, read_part, read_part_schema, run_part_rows)
+from .sink import (FINAL_PART, FINGERPRINT_KEY, OBJECT_RUN_PART, REPORT, REWRITE_MANIFEST, RUN_PART_ROW_GROUP,
+                   SIDE_FILE_MARKS, SUCCESS, DamagedFileError, OutputDir, is_side_file, read_part, read_part_schema,
+                   run_part_rows)
 from ..config import JobConfigError
 
 
@@ -80,14 +83,15 @@ class ObjectOutput:
         """Objects batchgen did not write: other names (or names below a `/`), parts without a fingerprint, a
         _SUCCESS without batchgen's summary."""
         listing = self.listing()
-        unknown = [n for n in listing if n not in (SUCCESS, REWRITE_MANIFEST, LEASE)
+        unknown = [n for n in listing if n not in (SUCCESS, REWRITE_MANIFEST, LEASE, *SIDE_FILE_MARKS)
                    and not (OBJECT_RUN_PART.fullmatch(n) or FINAL_PART.fullmatch(n))]
         if unknown:
             return sorted(unknown)
-        parts = [n for n in listing if n not in (SUCCESS, REWRITE_MANIFEST, LEASE)]
+        parts = [n for n in listing if n not in (SUCCESS, REWRITE_MANIFEST, LEASE, *SIDE_FILE_MARKS)]
         foreign = [n for n in parts if FINGERPRINT_KEY not in (self.part_schema(listing[n]).metadata or {})]
         if SUCCESS in listing and "fingerprint" not in (self.success() or {}):
             foreign.append(SUCCESS)
+        foreign += [n for n in SIDE_FILE_MARKS if n in listing and not is_side_file(n, self.read_text(n))]
         return sorted(foreign)
 
     def _get(self, name: str) -> bytes | None:
@@ -99,6 +103,16 @@ class ObjectOutput:
             if is_not_found(exc):
                 return None
             raise store_error(exc, self.root + self.prefix + name) from None
+
+    def read_text(self, name: str) -> str | None:
+        data = self._get(name)
+        try:
+            return data.decode() if data is not None else None
+        except UnicodeDecodeError:
+            return None
+
+    def write_text(self, name: str, text: str) -> None:
+        self.put(name, text.encode())
 
     def success(self) -> dict | None:
         data = self._get(SUCCESS)
@@ -249,9 +263,9 @@ def live_lease(out: ObjectOutput) -> str | None:
 
 
 def finalize_objects(out: ObjectOutput, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
-                     summary: Callable[[RowTotals], dict]) -> dict:
-    """final_rewrite.finalize in object storage: the final parts written over any a killed rewrite left, then the
-    manifest, then apply_object_rewrite."""
+                     summary: Callable[[RowTotals], dict], report: FinalReport | None = None) -> dict:
+    """final_rewrite.finalize in object storage: the final parts written over any a killed rewrite left, the
+    report, then the manifest, then apply_object_rewrite."""
     counted, superseded = out.ledger_parts(total_rows)
     stale = [part.name for part in out.final_parts()]
     tables = ordered_tables(counted, total_rows, rows_per_part) if order == "input" \
@@ -259,6 +273,8 @@ def finalize_objects(out: ObjectOutput, schema: pa.Schema, total_rows: int, orde
     totals, names = RowTotals(), []
     for table in tables:
         totals.add(table)
+        if report is not None:
+            report.add(table)
         names.append(f"part-{len(names):05d}.parquet")
         out.put(names[-1], parquet_bytes(table.drop_columns([ROW_COLUMN]).cast(schema)))
     if not names:
@@ -269,7 +285,11 @@ def finalize_objects(out: ObjectOutput, schema: pa.Schema, total_rows: int, orde
     for name in stale:  # a killed rewrite's parts beyond this one's
         if name not in names:
             out.delete(name)
-    manifest = {"remove": [p.name for p in counted + superseded], "add": names, "success": summary(totals)}
+    success = summary(totals)
+    page = report_html(report, success)
+    if page is not None:
+        out.put(REPORT, page.encode())
+    manifest = {"remove": [p.name for p in counted + superseded], "add": names, "success": success}
     out.put(REWRITE_MANIFEST, json.dumps(manifest).encode())
     return apply_object_rewrite(out)
 

@@ -1,11 +1,14 @@
-"""The output side of a job: results -> Parquet part files committed atomically, and the resume ledger (the final
-rewrite into input or completion order, followed by `_SUCCESS`, is final_rewrite.py).
+"""The output side of a job: Parquet part files committed atomically, and the resume ledger (part_writer.py buffers
+results into them; the final rewrite into input or completion order, followed by `_SUCCESS`, is final_rewrite.py).
 
 Layout of `output.path` while a job runs:
     run-00000.parquet ...   committed parts in completion order, with an extra `_row` column (input position)
 and once it has finished:
     part-00000.parquet ...  the output, without `_row`
+    _report.html            the job report (job/report/), written before _SUCCESS
     _SUCCESS                the run summary (JSON)
+and, from the first commit on, `_timeline.json` (job/timeline.py), the run's samples over time for the report.
+Their leading underscore keeps them out of directory readers (pyarrow datasets, pandas, Spark), as it does _SUCCESS.
 Anything not yet committed lives in the sibling directory `.<name>.batchgen-tmp/` (beside the output's real path),
 removed after success. It holds a mark naming its output: a directory there without it is someone else's, and
 batchgen neither writes into nor removes it.
@@ -21,25 +24,26 @@ import json
 import os
 import re
 import shutil
-import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Iterator, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.engine.request import Result
 from batchgen.object_store import RemoteFile
 
-from .json_output import JsonType, parse_json_output
 from ..input.parquet_read import first_line
-from .schema import ID_COLUMN, JSON_COLUMN, OUTPUT_COLUMNS, RESULT_COLUMNS, ROW_COLUMN, SAMPLE_COLUMN
+from .schema import ROW_COLUMN, SAMPLE_COLUMN
 
 PartFile = Union[Path, RemoteFile]  # a part in a local output directory, or an object in an object-store output
 FINGERPRINT_KEY = b"batchgen.fingerprint"
 SUCCESS = "_SUCCESS"
+TIMELINE = "_timeline.json"
+REPORT = "_report.html"
+# batchgen's own side files, each known by a mark inside it (their names alone do not make them batchgen's)
+SIDE_FILE_MARKS = {TIMELINE: "batchgen-timeline/", REPORT: '<meta name="generator" content="batchgen">'}
 REWRITE_MANIFEST = "_PLAN.json"  # the final rewrite's manifest (final_rewrite.py); the name on disk predates `batchgen plan`
 # Where older versions half-wrote _SUCCESS (its scratch now lives in the temp directory): batchgen's own, removed when
 # a run takes the output.
@@ -69,6 +73,11 @@ class DamagedFileError(Exception):
         self.path, self.reason = path, reason
 
 
+def is_side_file(name: str, text: str | None) -> bool:
+    """Whether `text` is batchgen's side file `name` (TIMELINE or REPORT)."""
+    return text is not None and SIDE_FILE_MARKS[name] in text[:4096]
+
+
 def _is_part_name(name: str) -> bool:
     return bool(RUN_PART.fullmatch(name) or FINAL_PART.fullmatch(name))
 
@@ -88,11 +97,14 @@ def part_metadata(path: PartFile) -> pq.FileMetaData:
         return pq.ParquetFile(_source(path)).metadata
 
 
-def read_part(path: PartFile, row_group: int | None = None) -> pa.Table:
-    """A part file (or one of its row groups), every page checked against its checksum."""
+def read_part(path: PartFile, row_group: int | None = None, columns: list[str] | None = None) -> pa.Table:
+    """A part file (or one of its row groups; or only `columns`, those of them it has), every page checked against
+    its checksum."""
     with _reading(path, "its data cannot be read"):
         parquet = pq.ParquetFile(_source(path), page_checksum_verification=True)
-        return parquet.read() if row_group is None else parquet.read_row_group(row_group)
+        if columns is not None:
+            columns = [name for name in columns if name in parquet.schema_arrow.names]
+        return parquet.read(columns) if row_group is None else parquet.read_row_group(row_group, columns)
 
 
 def run_part_rows(part: PartFile) -> np.ndarray:
@@ -194,13 +206,30 @@ class OutputDir:
         when it carries a fingerprint, _SUCCESS when it holds batchgen's summary. A part file whose footer cannot
         be read is neither: DamagedFileError."""
         names = [n for n in self.names() if not n.startswith(".") and n != LEFTOVER_SUCCESS_SCRATCH]
-        unknown = [n for n in names if n != SUCCESS and not _is_part_name(n)]
+        unknown = [n for n in names if n != SUCCESS and n not in SIDE_FILE_MARKS and not _is_part_name(n)]
         return unknown or [n for n in names if not self.carries_fingerprint(n)]
 
     def carries_fingerprint(self, name: str) -> bool:
         if name == SUCCESS:
             return "fingerprint" in (self.success() or {})
+        if name in SIDE_FILE_MARKS:
+            return is_side_file(name, self.read_text(name))
         return FINGERPRINT_KEY in (read_part_schema(self.path / name).metadata or {})
+
+    def read_text(self, name: str) -> str | None:
+        """A side file's text (None without one, or when it is not text)."""
+        try:
+            return (self.path / name).read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def write_text(self, name: str, text: str) -> None:
+        """A side file, whole or not at all. Its scratch: in the temp directory while a run holds the output; a
+        finished output has none (`batchgen report` rewrites its report), and then a hidden file beside it."""
+        if self.tmp.is_dir():
+            atomic_write_text(self.path / name, text, scratch_dir=self.tmp)
+        else:
+            atomic_write_text(self.path / name, text, scratch_name=f".{name}.inprogress")
 
     def success(self) -> dict | None:
         """The _SUCCESS summary; None without one, or when the file there is not batchgen's JSON."""
@@ -255,7 +284,7 @@ class OutputDir:
     def remove_outputs(self) -> None:
         """--overwrite: remove everything batchgen wrote (never foreign files)."""
         for name in self.names():
-            if (name == SUCCESS or _is_part_name(name)) and self.carries_fingerprint(name):
+            if (name in (SUCCESS, *SIDE_FILE_MARKS) or _is_part_name(name)) and self.carries_fingerprint(name):
                 (self.path / name).unlink()
         if self.staging.exists():
             shutil.rmtree(self.staging)
@@ -270,7 +299,8 @@ def _is_scratch_entry(entry: Path) -> bool:
         return entry.is_file()
     if entry.name == "final" and entry.is_dir():
         return all(not p.is_symlink() and p.is_file() and (FINAL_PART.fullmatch(p.name) or p.name == REWRITE_MANIFEST
-                                                           or p.name.endswith(".inprogress")) for p in entry.iterdir())
+                                                           or p.name == REPORT or p.name.endswith(".inprogress"))
+                   for p in entry.iterdir())
     return False
 
 
@@ -292,72 +322,6 @@ def is_output_dir(path: Path) -> bool:
         return False
 
 
-class PartWriter:
-    """Buffers output rows and commits them as run parts: written under the temp directory, fsynced, renamed
-    into `output.path` (in object storage: create-only objects, through ObjectOutput's same two methods). A commit
-    happens every `rows_per_part` output rows or `commit_interval_s` seconds, between input rows: an input row's
-    samples are always committed together, so the ledger of done input rows holds."""
-
-    def __init__(self, out: OutputDir, schema: pa.Schema, fingerprint: str, rows_per_part: int,
-                 commit_interval_s: float, sort_by_row: bool, clock: Callable[[], float] = time.monotonic,
-                 json_type: JsonType | None = None):
-        self.out = out
-        self.schema = run_part_schema(schema, fingerprint)
-        self.rows_per_part = rows_per_part
-        self.commit_interval_s = commit_interval_s
-        self.sort_by_row = sort_by_row
-        self.clock = clock
-        self.seq = out.next_seq()
-        self.columns: dict[str, list] = {name: [] for name in self.schema.names}
-        self.result_columns = [column for column in RESULT_COLUMNS if column.name in self.schema.names]
-        self.keep_names = [name for name in self.schema.names if name not in OUTPUT_COLUMNS and name != ROW_COLUMN]
-        self.json_type = json_type  # output.parse_json: the json column's type, from sampling.json_schema
-        if (JSON_COLUMN.name in self.schema.names) != (json_type is not None):
-            raise ValueError("PartWriter: the schema has a json column exactly when json_type is given")
-        self.last_commit = clock()
-        self.committed_rows = 0
-
-    def add(self, row: int, ident: Any, keep: tuple, *results: Result, parse_json: bool = True,
-            replica: int | None = None) -> None:
-        """One input row's output rows: its Result, or its n samples' (in sample order). parse_json=False: the
-        row's output follows another constraint than the job's schema (a per-row one), so its `json` is null.
-        replica: the Ray replica that generated it (the `replica` column of Ray runs)."""
-        c = self.columns
-        for result in results:
-            derived = self.derive(result) if parse_json else {JSON_COLUMN.name: None} if self.json_type else {}
-            if replica is not None:
-                derived = {**derived, "replica": replica}
-            c[ID_COLUMN.name].append(ident)
-            for column in self.result_columns:
-                c[column.name].append(derived[column.name] if column.name in derived else column.value(result))
-            for name, value in zip(self.keep_names, keep):
-                c[name].append(value)
-            c[ROW_COLUMN].append(row)
-        if len(c[ROW_COLUMN]) >= self.rows_per_part or self.clock() - self.last_commit >= self.commit_interval_s:
-            self.commit()
-
-    def derive(self, result: Result) -> dict[str, Any]:
-        """The values the sink derives from a result rather than reads: with output.parse_json, `json` and the
-        `error` of a text that gave none."""
-        if self.json_type is None:
-            return {}
-        value, error = parse_json_output(result, self.json_type)
-        return {JSON_COLUMN.name: value, "error": result.error if result.error is not None else error}
-
-    def commit(self) -> None:
-        self.last_commit = self.clock()
-        if not self.columns[ROW_COLUMN]:
-            return
-        table = pa.table({name: pa.array(values, type=self.schema.field(name).type)
-                          for name, values in self.columns.items()}, schema=self.schema)
-        if self.sort_by_row:
-            table = in_row_order(table)
-        self.out.write_run_part(table, self.seq)
-        self.seq += 1
-        self.committed_rows += table.num_rows
-        self.columns = {name: [] for name in self.schema.names}
-
-
 def in_row_order(table: pa.Table) -> pa.Table:
     """Sorted by input position, a row's samples by their number."""
     keys = [ROW_COLUMN] + ([SAMPLE_COLUMN] if SAMPLE_COLUMN in table.schema.names else [])
@@ -375,9 +339,9 @@ def atomic_write(table: pa.Table, out: OutputDir, name: str, row_group_size: int
     _fsync(target.parent)
 
 
-def atomic_write_text(path: Path, text: str, scratch_dir: Path | None = None) -> None:
+def atomic_write_text(path: Path, text: str, scratch_dir: Path | None = None, scratch_name: str | None = None) -> None:
     """Write `path` whole or not at all; the half-written scratch file lives in `scratch_dir` (default: beside it)."""
-    scratch = (scratch_dir or path.parent) / (path.name + ".inprogress")
+    scratch = (scratch_dir or path.parent) / (scratch_name or path.name + ".inprogress")
     scratch.write_text(text)
     _fsync(scratch)
     os.replace(scratch, path)

@@ -1,0 +1,94 @@
+"""What the job report needs of the output rows, gathered a table at a time (the final rewrite's tables, or a
+finished output's parts): exact counts (finish reasons, error rows by reason, tokens) and, for the latency
+distributions, a uniform sample of at most SAMPLE_ROWS rows (every row when there are fewer), so that memory does not
+grow with the output."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SAMPLE_ROWS = 100_000
+LATENCIES = ("queue_s", "ttft_s", "tpot_s", "e2e_s")
+COLUMNS = (*LATENCIES, "finish_reason", "error", "prompt_tokens", "output_tokens", "cached_tokens", "replica")
+MAX_REASONS = 1000  # distinct error reasons counted; the rest are "other"
+NUMBERS = re.compile(r"\d+(\.\d+)?")
+
+
+def error_reason(message: str | None) -> str:
+    """An error message with its numbers masked, so that rows failing for one reason count together."""
+    return NUMBERS.sub("N", message or "(no message)")[:200]
+
+
+class ReportRows:
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.rows = 0
+        self.finish_reasons: Counter[str] = Counter()
+        self.error_reasons: Counter[str] = Counter()
+        self.tokens = Counter()  # prompt, output, cached: sums over all rows
+        self.sample: dict[str, np.ndarray] = {}
+        self.keys = np.empty(0)  # the sampled rows' random keys: the SAMPLE_ROWS smallest are kept
+
+    def add(self, table: pa.Table) -> None:
+        names = [name for name in COLUMNS if name in table.column_names]
+        table = table.select(names)
+        self.rows += table.num_rows
+        self.finish_reasons.update(dict(zip(*_value_counts(table["finish_reason"]))))
+        errors = table.filter(pc.equal(table["finish_reason"], "error"))["error"].to_pylist()
+        for reason in map(error_reason, errors):
+            if reason in self.error_reasons or len(self.error_reasons) < MAX_REASONS:
+                self.error_reasons[reason] += 1
+            else:
+                self.error_reasons["other"] += 1
+        for name in ("prompt_tokens", "output_tokens", "cached_tokens"):
+            self.tokens[name] += pc.sum(table[name]).as_py() or 0
+        keys = self.rng.random(table.num_rows)
+        columns = {name: _numbers(table[name]) for name in (*LATENCIES, "output_tokens", "prompt_tokens", "replica")
+                   if name in names}
+        columns["ok"] = pc.not_equal(table["finish_reason"], "error").to_numpy(zero_copy_only=False)
+        merged_keys = np.concatenate([self.keys, keys])
+        merged = {name: np.concatenate([self.sample[name], values]) if name in self.sample else values
+                  for name, values in columns.items()}
+        if merged_keys.size > SAMPLE_ROWS:
+            keep = np.argpartition(merged_keys, SAMPLE_ROWS)[:SAMPLE_ROWS]
+            merged_keys, merged = merged_keys[keep], {name: values[keep] for name, values in merged.items()}
+        self.keys, self.sample = merged_keys, merged
+
+    @property
+    def sampled(self) -> int:
+        return int(self.keys.size)
+
+    def values(self, name: str, replica: int | None = None) -> np.ndarray:
+        """A latency of the sampled rows that have one (error rows and one-token rows lack some), seconds."""
+        if name not in self.sample:
+            return np.empty(0)
+        values, keep = self.sample[name], self.sample["ok"]
+        if replica is not None and "replica" in self.sample:
+            keep = keep & (self.sample["replica"] == replica)
+        values = values[keep]
+        return values[~np.isnan(values)]
+
+    def replicas(self) -> list[int]:
+        return sorted(int(r) for r in np.unique(self.sample["replica"])) if "replica" in self.sample else []
+
+    def to_json(self) -> dict:
+        """Percentiles and counts (no per-row data): what the side-by-side report compares."""
+        out = {"rows": self.rows, "sampled": self.sampled, "finish_reasons": dict(self.finish_reasons),
+               "error_reasons": dict(self.error_reasons.most_common(20)), "tokens": dict(self.tokens)}
+        for name in LATENCIES:
+            values = self.values(name)
+            out[name] = {f"p{q}": float(np.percentile(values, q)) for q in (50, 90, 99)} if values.size else None
+        return out
+
+
+def _value_counts(column: pa.ChunkedArray) -> tuple[list, list]:
+    counts = pc.value_counts(column)
+    return counts.field("values").to_pylist(), counts.field("counts").to_pylist()
+
+
+def _numbers(column: pa.ChunkedArray) -> np.ndarray:
+    return column.cast(pa.float64()).fill_null(np.nan).to_numpy()
