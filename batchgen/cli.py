@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -73,37 +73,83 @@ def main() -> None:
     """batchgen: offline batch generation for LLMs (Parquet in, Parquet out)."""
 
 
+def run_options(command: Callable) -> Callable:
+    """The options `run` and `run-batch` share."""
+    options = [
+        click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                     help="Override a job key, e.g. --set engine.max_num_seqs=64 (repeatable)."),
+        click.option("--overwrite", is_flag=True, help="Discard the output of an earlier run and start over."),
+        click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+                     help="Where the engine runs (the job's executor.kind; ray: replicas on a Ray cluster via Ray "
+                          "Data)."),
+        click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary."),
+        click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
+                     help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1)."),
+        click.option("--cost-per-hour", type=PositivePrice(), default=None, metavar="USD",
+                     help="Price of this machine per hour: _SUCCESS then records cost_per_hour and "
+                          "tokens_per_dollar."),
+        click.option("--progress-interval", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+                     metavar="SECONDS", help="Where stderr is not a terminal (or with --log-format json): a progress "
+                                             "line this often instead of the progress bar."),
+        click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+                     help="json: every line batchgen writes to stderr is one JSON object (progress, warnings, the "
+                          "summary, the error)."),
+        click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, metavar="PORT",
+                     help="Serve Prometheus metrics on this port while the run lives (needs the metrics extra)."),
+        click.option("--metrics-linger", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
+                     help="Keep serving the final metrics this long after the run's end."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @main.command()
 @click.argument("job", metavar="JOB.yaml")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a job key, e.g. --set engine.max_num_seqs=64 (repeatable).")
-@click.option("--overwrite", is_flag=True, help="Discard the output of an earlier run and start over.")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
-              help="Where the engine runs (the job's executor.kind; ray: replicas on a Ray cluster via Ray Data).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar, no summary.")
-@click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
-              help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
-@click.option("--cost-per-hour", type=PositivePrice(), default=None, metavar="USD",
-              help="Price of this machine per hour: _SUCCESS then records cost_per_hour and tokens_per_dollar.")
-@click.option("--progress-interval", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
-              metavar="SECONDS", help="Where stderr is not a terminal (or with --log-format json): a progress line "
-                                      "this often instead of the progress bar.")
-@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="json: every line batchgen writes to stderr is one JSON object (progress, warnings, the summary, "
-                   "the error).")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, metavar="PORT",
-              help="Serve Prometheus metrics on this port while the run lives (needs the metrics extra).")
-@click.option("--metrics-linger", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS",
-              help="Keep serving the final metrics this long after the run's end.")
-def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | None, quiet: bool, debug: bool,
-        cost_per_hour: float | None, progress_interval: float, log_format: str, metrics_port: int | None,
-        metrics_linger: float) -> None:
+@run_options
+def run(job: str, overrides: tuple[str, ...], **options: Any) -> None:
     """Run the job in JOB.yaml; re-running the same command resumes it."""
-    from batchgen.job import execute_job, load_job, prepare_job
+    from batchgen.job import load_job
+
+    run_job(lambda extra: load_job(job, (*overrides, *extra)), **options)
+
+
+@main.command("run-batch")
+@click.option("-i", "--input-file", "requests", required=True, metavar="REQUESTS.jsonl",
+              help="An OpenAI Batch request file (a local path or s3://...).")
+@click.option("-o", "--output-file", "results", required=True, metavar="RESULTS.jsonl",
+              help="Where the answered requests go; failed ones go to RESULTS.errors.jsonl.")
+@click.option("--model", default="default", show_default=True, help="The model that answers every request.")
+@run_options
+def run_batch(requests: str, results: str, model: str, overrides: tuple[str, ...], **options: Any) -> None:
+    """Run an OpenAI Batch file as `vllm run-batch` does, as a batchgen job (its work directory:
+    RESULTS.jsonl.batchgen/); re-running the same command resumes it."""
+    from batchgen.job import parse_job
+    from batchgen.job.job_file import apply_override
+    from batchgen.job.run_batch import assemble, batch_job
+
+    def load(extra: tuple[str, ...]):
+        raw = batch_job(requests, results, model)
+        for item in (*overrides, *extra):
+            apply_override(raw, item)
+        return parse_job(raw)
+
+    summary = run_job(load, **options)
+    with reported_failures(options["debug"], resumable=False, as_json=options["log_format"] == "json"):
+        target, errors = assemble(results, summary)
+    if not options["quiet"]:
+        click.echo(f"batchgen: wrote {target}" + (f" and {errors}" if errors else ""), err=True)
+
+
+def run_job(load: Callable[[tuple[str, ...]], Any], overwrite: bool, executor: str | None, quiet: bool, debug: bool,
+            cost_per_hour: float | None, progress_interval: float, log_format: str, metrics_port: int | None,
+            metrics_linger: float) -> dict:
+    """Load (with the command's own overrides), prepare and run a job, showing its progress; returns its summary
+    (the earlier one where it was already complete). A failure exits, after saying why."""
+    from batchgen.job import execute_job, prepare_job
     from batchgen.job.progress_log import ProgressLog
 
-    if executor is not None:
-        overrides = (*overrides, f"executor.kind={executor}")
+    extra = (f"executor.kind={executor}",) if executor is not None else ()
     as_json = log_format == "json"
     configure_logging(quiet, as_json)
     terminal = sys.stderr.isatty() and not as_json
@@ -122,14 +168,14 @@ def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | N
             if metrics_port is not None:  # served from the start: a scraper finds it during the model load too
                 metrics = metrics_server(metrics_port, metrics_linger)
                 shows.append(metrics)
-            prepared = prepare_job(load_job(job, overrides), overwrite=overwrite)
+            prepared = prepare_job(load(extra), overwrite=overwrite)
             prepared.cost_per_hour = cost_per_hour
             if prepared.complete is not None:
                 message = (f"{prepared.out.path} is already complete ({prepared.complete.get('rows', 0)} rows); "
                            f"nothing to do (--overwrite runs it again)")
                 click.echo(json.dumps({"level": "info", "logger": "batchgen", "message": message}) if as_json
                            else f"batchgen: {message}", err=True)
-                return
+                return prepared.complete
             summary = execute_job(prepared, on_progress=lambda p: [shown.update(p) for shown in shows],
                                   on_start=lambda p: [shown.start(p) for shown in shows])
     finally:
@@ -143,6 +189,12 @@ def run(job: str, overrides: tuple[str, ...], overwrite: bool, executor: str | N
         click.echo(summary_table(summary, str(prepared.out.path)), err=True)
     if metrics is not None:
         metrics.close(finished=True)  # after the summary: lingering, it serves the final values
+    return summary
+
+
+def _reader_hint(summary: dict, path: str) -> str:
+    fmt = ((summary.get("job") or {}).get("output") or {}).get("format", "parquet")
+    return f'polars.read_parquet("{path}/*.parquet")' if fmt == "parquet" else f'JSON lines: {path}/part-*.jsonl'
 
 
 def metrics_server(port: int, linger_s: float):
@@ -338,7 +390,7 @@ def summary_table(s: dict, path: str) -> str:
         *([("dtype", s["dtype_reason"])] if s.get("dtype_reason") else []),
         *([("attention", e["attention_backend_reason"])] if e.get("attention_backend_reason") else []),
         *memory_lines(s),
-        ("output", f"{path}  (polars.read_parquet(\"{path}/*.parquet\"))"),
+        ("output", f"{path}  ({_reader_hint(s, path)})"),
     ]
     width = max(len(name) for name, _ in lines)
     return "\n".join(["batchgen: done"] + [f"  {name:<{width}}  {value}" for name, value in lines])

@@ -178,8 +178,9 @@ def make_store(url: str, storage: StorageConfig) -> Any:
     return S3Store(bucket, config=config, client_options=client, retry_config=retry)
 
 
-def list_input(path: str, storage: StorageConfig) -> list[RemoteFile]:
-    """The Parquet objects `path` names, sorted by URL: one object; a prefix (its *.parquet objects at any depth,
+def list_input(path: str, storage: StorageConfig, names: tuple[str, ...] = (".parquet",)) -> list[RemoteFile]:
+    """The input objects `path` names, sorted by URL: one object; a prefix (its objects ending in one of `names`,
+    *.parquet by default, at any depth,
     skipping names under a part that starts with `.` or `_`, as pyarrow does); or a glob whose matches are objects
     or prefixes (hive partitions: s3://bucket/data/date=2026-*). An empty result is the caller's to refuse."""
     import obstore
@@ -200,7 +201,7 @@ def list_input(path: str, storage: StorageConfig) -> list[RemoteFile]:
                     raise
             prefix = key.rstrip("/") + "/" if key else ""
             return [RemoteFile(root + m["path"], m["size"], m.get("e_tag"), store)
-                    for m in list_objects(store, prefix) if _is_input_object(m["path"][len(prefix):])]
+                    for m in list_objects(store, prefix) if _is_input_object(m["path"][len(prefix):], names)]
         fixed = key[:min(key.index(c) for c in "*?[" if c in key)].rpartition("/")[0]
         pattern = tuple(key.split("/"))
         found = []
@@ -208,7 +209,7 @@ def list_input(path: str, storage: StorageConfig) -> list[RemoteFile]:
             parts = tuple(meta["path"].split("/"))
             for depth in range(len(parts), 0, -1):  # the object itself, or a prefix above it, matches the glob
                 if glob_matches(pattern, parts[:depth]) and (
-                        depth == len(parts) or _is_input_object("/".join(parts[depth:]))):
+                        depth == len(parts) or _is_input_object("/".join(parts[depth:]), names)):
                     found.append(RemoteFile(root + meta["path"], meta["size"], meta.get("e_tag"), store))
                     break
         return sorted(found, key=lambda f: f.url)
@@ -225,9 +226,9 @@ def list_objects(store: Any, prefix: str) -> list[dict[str, Any]]:
                   key=lambda meta: meta["path"])
 
 
-def _is_input_object(relative: str) -> bool:
+def _is_input_object(relative: str, names: tuple[str, ...]) -> bool:
     parts = relative.split("/")
-    return parts[-1].endswith(".parquet") and not any(part.startswith((".", "_")) for part in parts)
+    return parts[-1].lower().endswith(names) and not any(part.startswith((".", "_")) for part in parts)
 
 
 def glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:

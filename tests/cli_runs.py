@@ -20,9 +20,10 @@ def read(out: Path) -> pl.DataFrame:
     return pl.read_parquet(f"{out}/*.parquet")
 
 
-def kill_after_parts(job: Path, out: Path, parts: int, timeout: float = 600) -> None:
-    """Run the job until it has committed `parts` run parts, then SIGKILL it."""
-    proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"],
+def kill_after_parts(job: Path | list[str], out: Path, parts: int, timeout: float = 600) -> None:
+    """Run the job (or the batchgen command line `job`) until it has committed `parts` run parts, then SIGKILL it."""
+    args = job if isinstance(job, list) else ["run", str(job)]
+    proc = subprocess.Popen([sys.executable, "-m", "batchgen", *args, "--quiet"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     while len(list(out.glob("run-*.parquet"))) < parts and proc.poll() is None and time.monotonic() < deadline:

@@ -27,13 +27,15 @@ from batchgen.user_files import SCHEMA_FILE_LIMIT, UserFileError, read_user_text
 
 from .job_file import read_job_file
 from .keys import JobConfigError, check_bounded, keys_of, plain, read_keys
+from .section_checks import check_executor, check_storage
 from .output.schema import OUTPUT_COLUMNS, ROW_COLUMN
 
 log = logging.getLogger(__name__)
 
 # Input columns with these names override the job's sampling value for their row. A row's constraint (one of
 # CONSTRAINT_KEYS) replaces the job's, whichever key the job used.
-ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs") + CONSTRAINT_KEYS
+ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs", "stop",
+                     "presence_penalty", "frequency_penalty") + CONSTRAINT_KEYS
 
 # EngineArgs fields that the job file has as top-level keys rather than under `engine:`.
 TOP_LEVEL_KEYS = ("model", "dtype", "device")
@@ -48,6 +50,7 @@ SortOrder = Literal["prefix", "length", "none"]
 @dataclass(frozen=True)
 class InputConfig:
     path: str
+    format: Literal["auto", "parquet", "jsonl", "csv", "openai-batch"] = "auto"  # auto: from each file's name
     id_column: str | None = None
     prompt_column: str = "prompt"
     messages_column: str | None = None
@@ -106,6 +109,7 @@ class OutputConfig:
     commit_interval_s: float = 60.0
     parse_json: bool = False  # the `json` column: each row's text parsed, typed from sampling.json_schema
     report: bool = True  # _report.html, the job report, written before _SUCCESS
+    format: Literal["parquet", "jsonl", "openai-batch"] = "parquet"  # the final files (output/final_formats.py)
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,11 @@ def parse_job(raw: dict[str, Any], base_dir: Path | None = None) -> JobConfig:
     explicit_sort = "sort" in (raw.get("input") or {})
     source = _input_with_sort(values.pop("input"), engine.pop("sort", None), explicit_sort)
     engine_args = EngineArgs(**{key: values.pop(key) for key in TOP_LEVEL_KEYS if key in values}, **engine)
+    if source.format == "openai-batch":  # each request's own id, and its endpoint kept for its response's form
+        source = dataclasses.replace(source, id_column=source.id_column or "custom_id")
+        output = values["output"]
+        if "url" not in output.keep_columns:
+            values["output"] = dataclasses.replace(output, keep_columns=(*output.keep_columns, "url"))
     config = JobConfig(input=source, engine=engine_args, **values)
     _check(config)
     return config
@@ -248,8 +257,8 @@ def _check(config: JobConfig) -> None:
     _validate(config.engine, "engine")
     _validate(config.sampling.params(), "sampling")
     _check_output(config.output)
-    _check_executor(config.executor)
-    _check_storage(config.storage)
+    check_executor(config.executor)
+    check_storage(config.storage)
     if config.output.parse_json and config.sampling.json_schema is None:
         raise JobConfigError("output.parse_json: needs sampling.json_schema (or sampling.json_schema_file): the "
                              "json column is typed from it")
@@ -289,6 +298,10 @@ def _check_input(cfg: InputConfig) -> None:
                 raise JobConfigError(f"input.{name}: needs input.chat_template: true")
     if cfg.template is not None:
         template_columns(cfg.template)  # raises on a malformed template
+    if cfg.format == "openai-batch" and (cfg.messages_column or cfg.template is not None or not cfg.chat_template
+                                        or cfg.prompt_column != "prompt" or cfg.id_column != "custom_id"):
+        raise JobConfigError("input.format: openai-batch reads each request's own prompt and custom_id; leave out "
+                             "input.messages_column, template, prompt_column, id_column and chat_template: false")
     if cfg.sort_window < 1:
         raise JobConfigError("input.sort_window: must be at least 1")
     if cfg.read_batch_rows < 1:
@@ -359,30 +372,6 @@ def _sample_value(arrow_type: pa.DataType) -> Any:
         if is_type(arrow_type):
             return sample
     return None  # other types: a spec that does not suit a value fails that row
-
-
-def _check_executor(cfg: ExecutorConfig) -> None:
-    if cfg.replicas < 1:
-        raise JobConfigError("executor.replicas: must be at least 1")
-    if cfg.cpus_per_replica < 1:
-        raise JobConfigError("executor.cpus_per_replica: must be at least 1")
-    if cfg.gpus_per_replica < 0:
-        raise JobConfigError("executor.gpus_per_replica: must not be negative")
-    if cfg.batch_size is not None and cfg.batch_size < 1:
-        raise JobConfigError("executor.batch_size: must be at least 1")
-    if cfg.address is not None and not cfg.address.strip():
-        raise JobConfigError("executor.address: must not be empty (leave it out for RAY_ADDRESS or a local Ray)")
-
-
-def _check_storage(cfg: StorageConfig) -> None:
-    if cfg.endpoint_url is not None and not cfg.endpoint_url.startswith(("http://", "https://")):
-        raise JobConfigError(f"storage.endpoint_url: {cfg.endpoint_url!r} must start with http:// or https://")
-    if cfg.max_retries < 0:
-        raise JobConfigError("storage.max_retries: must not be negative")
-    if not cfg.timeout_s > 0:
-        raise JobConfigError("storage.timeout_s: must be positive")
-    if not cfg.lease_ttl_s > 0:
-        raise JobConfigError("storage.lease_ttl_s: must be positive")
 
 
 def _check_output(cfg: OutputConfig) -> None:

@@ -192,9 +192,12 @@ def resolved_dtype(config: JobConfig):
 
 
 def input_files(inputs: InputFiles) -> list[dict[str, Any]]:
+    """Each input file's path, rows and identity; a text input's (JSON lines, CSV, OpenAI Batch) are those of the
+    file the job names, with its format."""
+    text = {"format": inputs.format} if inputs.sources else {}
     return [{"path": str(path) if isinstance(path, RemoteFile) else str(path.resolve()), "rows": rows,
-             **input_identity(path)}
-            for path, rows in zip(inputs.files, inputs.row_counts)]
+             **input_identity(path), **text}
+            for path, rows in zip(inputs.sources or inputs.files, inputs.row_counts)]
 
 
 def fingerprint_text(fingerprint: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from batchgen.engine.process_memory import peak_rss_bytes
 
 from .config import ROW_SAMPLING_KEYS
 from .executors import ExecutorRun, executor_for
+from .output.final_formats import FinalFormat
 from .output.final_rewrite import RowTotals, apply_rewrite, finalize
 from .output.object_output import ObjectOutput, apply_object_rewrite, finalize_objects
 from .output.part_writer import PartWriter
@@ -153,8 +154,9 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
         summarize = lambda totals: build_summary(job, totals, progress, run, started_at)
         report = JobReport(out.path, timeline.to_json(fingerprint, "finished")) if config.output.report else None
         final = finalize_objects if in_store else finalize
+        fmt = FinalFormat(config.output.format, model=config.model, chat=bool(config.input.chat_template))
         return final(out, final_part_schema(job.schema, fingerprint), job.inputs.total_rows,
-                     config.output.order, config.output.rows_per_part, summarize, report)
+                     config.output.order, config.output.rows_per_part, summarize, report, fmt)
     finally:
         job.release()
 

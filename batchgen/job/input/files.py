@@ -19,6 +19,7 @@ from batchgen.user_files import UserFileError, check_regular_file
 
 from ..config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
 from .parquet_read import InputFile, InputReadError, first_line, open_parquet, scan_file
+from .text_formats import INPUT_ERROR_COLUMN, SUFFIXES, InputFormatError, format_of, stage, suffixes
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,14 @@ class InputFiles:
     row_counts: tuple[int, ...]
     column_types: dict[str, pa.DataType]  # every column of any file (types agree where the job reads them)
     partitions: tuple[dict[str, str], ...] = ()  # each file's hive partition: {key: value} of key=value folders
+    # A text input (JSON lines, CSV, OpenAI Batch): `files` are its Parquet copies (text_formats.py), these the
+    # files the job names, whose identity the fingerprint keeps; () for Parquet inputs
+    sources: tuple[InputFile, ...] = ()
+    format: str = "parquet"
+
+    def source(self, index: int) -> InputFile:
+        """The file the job names (for a text input, not its Parquet copy)."""
+        return self.sources[index] if self.sources else self.files[index]
 
     def partition(self, index: int) -> dict[str, str]:
         return self.partitions[index] if self.partitions else {}
@@ -40,20 +49,23 @@ class InputFiles:
 
 # -- finding and checking the input -------------------------------------------------------------------------------
 
-def find_input_files(path: str, storage: StorageConfig = StorageConfig()) -> list[InputFile]:
-    """A file, a directory (its *.parquet files, recursively, skipping hidden and _-prefixed names as pyarrow
-    does) or a glob of files and directories (e.g. hive partitions: data/date=2026-*); sorted by path. The same
-    in object storage (s3://bucket/prefix, ...: a prefix is a directory there)."""
+def find_input_files(path: str, storage: StorageConfig = StorageConfig(),
+                     names: tuple[str, ...] = SUFFIXES["parquet"]) -> list[InputFile]:
+    """A file, a directory (its files ending in one of `names`, *.parquet by default, recursively, skipping hidden
+    and _-prefixed names as pyarrow does) or a glob of files and directories (e.g. hive partitions:
+    data/date=2026-*); sorted by path. The same in object storage (s3://bucket/prefix, ...: a prefix is a
+    directory there)."""
     if is_remote(path):
         missing = obstore_missing("input.path", path)
         if missing:
             raise JobConfigError(missing)
         try:
-            files = list_input(path, storage)
+            files = list_input(path, storage, names)
         except ObjectNotFound:
             files = []
         if not files:
-            raise JobConfigError(f"input.path: no Parquet objects found at {path}")
+            raise JobConfigError(f"input.path: no input objects found at {path} (names ending in "
+                                 f"{', '.join(names)})")
         return files
     root = Path(path).expanduser()
     if root.is_file():
@@ -64,16 +76,16 @@ def find_input_files(path: str, storage: StorageConfig = StorageConfig()) -> lis
         except UserFileError as exc:
             raise JobConfigError(f"input.path: {exc}") from None
     if root.is_dir():
-        files = _directory_files(root)
+        files = _directory_files(root, names)
     elif glob.has_magic(path):
         files = []
         for match in map(Path, glob.glob(str(root), recursive=True)):
-            files += [match] if match.is_file() else _directory_files(match) if match.is_dir() else []
+            files += [match] if match.is_file() else _directory_files(match, names) if match.is_dir() else []
         files = list(dict.fromkeys(files))  # a recursive glob can match a file and its directory
     else:
         raise JobConfigError(f"input.path: no such file or directory: {path}")
     if not files:
-        raise JobConfigError(f"input.path: no Parquet files found at {path}")
+        raise JobConfigError(f"input.path: no input files found at {path} (names ending in {', '.join(names)})")
     return sorted(files, key=str)
 
 
@@ -93,8 +105,9 @@ def hive_partition(input_path: str, file: InputFile) -> dict[str, str]:
     return {unquote(key): unquote(value) for key, value in pairs}
 
 
-def _directory_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*.parquet") if p.is_file() and not _hidden(p.relative_to(root))]
+def _directory_files(root: Path, names: tuple[str, ...]) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.lower().endswith(names) and p.is_file()
+            and not _hidden(p.relative_to(root))]
 
 
 def _hidden(relative: Path) -> bool:
@@ -162,26 +175,60 @@ def inspect_input(config: JobConfig) -> InputFiles:
     """Open every file's footer and check that the columns the job names exist, with one type across files and
     one the template's format specs suit; then decode the job's columns once (scan_input)."""
     check_output_outside_input(config.input.path, config.output.path)
-    files = find_input_files(config.input.path, config.storage)
+    files = find_input_files(config.input.path, config.storage, suffixes(config.input.format))
     check_input_outside_output(files, config.output.path)
     partitions = tuple(hive_partition(config.input.path, path) for path in files)
-    row_counts, types = check_footers(config, files, partitions)
+    fmt, sources = input_format(config, files), ()
+    if fmt != "parquet":
+        files, sources = stage_files(config, files, fmt), tuple(files)
+    row_counts, types = check_footers(config, files, partitions, sources)
     if config.input.template is not None:
         check_template_specs(config.input.template, types)
-    inputs = InputFiles(tuple(files), tuple(row_counts), types, partitions)
+    inputs = InputFiles(tuple(files), tuple(row_counts), types, partitions, sources, fmt)
     scan_input(config, inputs)
     return inputs
 
 
-def check_footers(config: JobConfig, files: list[InputFile], partitions: tuple[dict[str, str], ...] = ()
-                  ) -> tuple[list[int], dict[str, pa.DataType]]:
+def input_format(config: JobConfig, files: list[InputFile]) -> str:
+    """The input's one format: input.format, or each file's by its name (`auto`)."""
+    formats = {format_of(path, config.input.format) for path in files}
+    if len(formats) > 1:
+        raise JobConfigError(f"input.path: the files are of several formats ({', '.join(sorted(formats))}); an input "
+                             f"is of one (set input.format, or name files of one kind)")
+    return formats.pop()
+
+
+def stage_files(config: JobConfig, files: list[InputFile], fmt: str) -> list[InputFile]:
+    """Each text file's Parquet copy (text_formats.py), made once per version of the file."""
+    from batchgen.models.gguf_cache import CacheDirError, writable_cache_dir
+
+    try:
+        cache = writable_cache_dir("inputs")
+    except CacheDirError as exc:
+        raise JobConfigError(f"input.path: a {fmt} input is read through a Parquet copy in batchgen's cache: "
+                             f"{exc}") from None
+    staged = []
+    for path in files:
+        try:
+            staged.append(stage(path, fmt, cache, config.input.read_batch_rows).path)
+        except InputFormatError as exc:
+            raise JobConfigError(f"input.path: {path} is not a readable {fmt} file: {exc}") from None
+        except OSError as exc:
+            raise JobConfigError(f"input.path: cannot read {path}: {exc.strerror or exc}") from None
+    return staged
+
+
+def check_footers(config: JobConfig, files: list[InputFile], partitions: tuple[dict[str, str], ...] = (),
+                  sources: tuple[InputFile, ...] = ()) -> tuple[list[int], dict[str, pa.DataType]]:
     """Each file's row count, and the type of every column (checked to agree across files where the job reads it);
-    a file's hive partition keys are string columns of it."""
+    a file's hive partition keys are string columns of it. `sources`: the files the job names, for the messages,
+    where `files` are their Parquet copies."""
     row_counts, types, seen_in = [], {}, {}
     read = {column for _, column in required_columns(config)} | set(ROW_SAMPLING_KEYS)
-    for i, path in enumerate(files):
+    for i, staged in enumerate(files):
+        path = sources[i] if sources else staged
         try:
-            meta = open_parquet(path)
+            meta = open_parquet(staged)
             schema = meta.schema_arrow
         except Exception as exc:  # pyarrow raises several types for a bad file
             raise JobConfigError(f"input.path: {path} is not a readable Parquet file ({first_line(exc)})") from None
@@ -301,7 +348,9 @@ def required_columns(config: JobConfig) -> list[tuple[str, str]]:
     """(job key, column) for every column the job needs in every input file."""
     cfg = config.input
     needed = []
-    if cfg.messages_column:
+    if cfg.format == "openai-batch":  # a chat request's messages or a completion's prompt (openai_batch.py)
+        needed += [("input.format", "messages"), ("input.format", "prompt")]
+    elif cfg.messages_column:
         needed.append(("input.messages_column", cfg.messages_column))
     elif cfg.template is not None:
         needed += [("input.template", column) for column in template_columns(cfg.template)]
@@ -318,5 +367,5 @@ def required_columns(config: JobConfig) -> list[tuple[str, str]]:
 def read_columns(config: JobConfig, column_types: dict[str, pa.DataType]) -> list[str]:
     """Every column the source reads: the required ones and any per-row sampling overrides."""
     columns = [column for _, column in required_columns(config)]
-    columns += [key for key in ROW_SAMPLING_KEYS if key in column_types]
+    columns += [key for key in (*ROW_SAMPLING_KEYS, INPUT_ERROR_COLUMN) if key in column_types]
     return list(dict.fromkeys(columns))

@@ -18,6 +18,7 @@ from .files import InputFiles, read_columns, required_columns
 from .parquet_read import Unreadable, batch_values, file_batches, file_range
 from .parquet_read import first_line as _first_line
 from .special_tokens import PromptEncoder, PromptText, SpecialTokenError
+from .text_formats import INPUT_ERROR_COLUMN
 
 
 class Tokenizer(Protocol):
@@ -108,7 +109,8 @@ def read_window(config: JobConfig, inputs: InputFiles, builder: PromptBuilder, s
 
 def build_rows(config: JobConfig, builder: PromptBuilder,
                batch: list[tuple[int, dict[str, Any]]]) -> list[SourceRow]:
-    """The batch's SourceRows, in input order; a row holding an Unreadable value is an error row."""
+    """The batch's SourceRows, in input order; a row holding an Unreadable value, or a text input's line that could
+    not be a row (its `_input_error`), is an error row."""
     unreadable = [(position, values) for position, values in batch if _has_unreadable(values)]
     if not unreadable:
         return builder.build(batch)
@@ -118,7 +120,8 @@ def build_rows(config: JobConfig, builder: PromptBuilder,
 
 
 def _has_unreadable(values: dict[str, Any]) -> bool:
-    return any(isinstance(value, Unreadable) for value in values.values())
+    return values.get(INPUT_ERROR_COLUMN) is not None or any(isinstance(value, Unreadable)
+                                                             for value in values.values())
 
 
 # What a column is to the row, for the error of a row whose value in it is Unreadable.
@@ -127,13 +130,15 @@ COLUMN_ROLES = {"input.prompt_column": "prompt", "input.template": "prompt", "in
 
 
 def unreadable_row(config: JobConfig, position: int, values: dict[str, Any]) -> SourceRow:
-    """The error row of a row holding an Unreadable value. Its id and kept values are written, the unreadable ones
-    as null (e.g. bytes that are not UTF-8 have no place in a string column)."""
-    columns = required_columns(config) + [("sampling", key) for key in ROW_SAMPLING_KEYS]
-    key, column = next((key, column) for key, column in columns if isinstance(values.get(column), Unreadable))
+    """The error row of a row holding an Unreadable value (or an `_input_error`). Its id and kept values are written,
+    the unreadable ones as null (e.g. bytes that are not UTF-8 have no place in a string column)."""
     readable = lambda value: None if isinstance(value, Unreadable) else value
     ident = readable(values[config.input.id_column]) if config.input.id_column else position
     keep = tuple(readable(values[column]) for column in config.output.keep_columns)
+    if values.get(INPUT_ERROR_COLUMN) is not None:
+        return SourceRow(position, ident, keep, None, None, error=values[INPUT_ERROR_COLUMN])
+    columns = required_columns(config) + [("sampling", key) for key in ROW_SAMPLING_KEYS]
+    key, column = next((key, column) for key, column in columns if isinstance(values.get(column), Unreadable))
     return SourceRow(position, ident, keep, None, None,
                      error=f"{COLUMN_ROLES.get(key, 'value')} {values[column].problem} (column {column!r})")
 
@@ -187,11 +192,20 @@ class PromptBuilder:
             except (RowError, SpecialTokenError) as exc:
                 rows.append(SourceRow(position, ident, keep, None, None, error=str(exc)))
         ok = [row for row in rows if row.error is None]
-        if ok:
-            encoded = self.encoder.encode(prompts, add_special_tokens=not self.input.chat_template)
-            for row, ids in zip(ok, encoded):
-                self.attach_tokens(row, ids)
+        raw = [self.is_raw(values) for _, values in batch]  # no chat template: the tokenizer's own special tokens
+        raw = [flag for row, flag in zip(rows, raw) if row.error is None]
+        for flag in sorted(set(raw)):
+            chosen = [i for i, r in enumerate(raw) if r == flag]
+            encoded = self.encoder.encode([prompts[i] for i in chosen], add_special_tokens=flag)
+            for i, ids in zip(chosen, encoded):
+                self.attach_tokens(ok[i], ids)
         return rows
+
+    def is_raw(self, values: dict[str, Any]) -> bool:
+        """Whether the row's prompt goes to the model as it is (no chat template); an OpenAI Batch completion's."""
+        if self.input.format == "openai-batch":
+            return values.get("messages") is None
+        return not self.input.chat_template
 
     def attach_tokens(self, row: SourceRow, ids: list[int]) -> None:
         row.prompt_tokens = len(ids)
@@ -206,7 +220,7 @@ class PromptBuilder:
             row.sampling = None
 
     def prompt_text(self, values: dict[str, Any]) -> PromptText:
-        if not self.input.chat_template:
+        if self.is_raw(values):
             return self.encoder.raw(self.user_text(values))
         messages = self.messages(values)
         try:
@@ -219,7 +233,9 @@ class PromptBuilder:
     def messages(self, values: dict[str, Any]) -> list[dict[str, str]]:
         """The row's conversation: its messages or user turn, after the system message if there is one."""
         cfg = self.input
-        if cfg.messages_column:
+        if cfg.format == "openai-batch":
+            messages = check_messages(values["messages"], "messages")
+        elif cfg.messages_column:
             messages = check_messages(values[cfg.messages_column], cfg.messages_column)
         else:
             messages = [{"role": "user", "content": self.user_text(values)}]

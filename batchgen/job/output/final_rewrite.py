@@ -17,8 +17,9 @@ import pyarrow.compute as pc
 
 from . import sink  # its writes called through the module: tests stand in for them
 from .schema import ROW_COLUMN
-from .sink import (REPORT, REWRITE_MANIFEST, SUCCESS, OutputDir, PartFile, _row_statistics, in_row_order, part_metadata,
-                   read_part)
+from .final_formats import FinalFormat
+from .sink import (FINAL_PART, REPORT, REWRITE_MANIFEST, SUCCESS, OutputDir, PartFile, _row_statistics, in_row_order,
+                   part_metadata, read_part)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ def report_html(report: FinalReport | None, summary: dict) -> str | None:
 
 
 def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
-             summary: Callable[[RowTotals], dict], report: FinalReport | None = None) -> dict:
+             summary: Callable[[RowTotals], dict], report: FinalReport | None = None,
+             fmt: FinalFormat = FinalFormat()) -> dict:
     """Rewrite the run parts as the final parts (input or completion order, without `_row`; `schema` is the
     final parts', fingerprint included), the report, and write _SUCCESS. Crash-safe: the final parts are built in the
     temp directory while the run parts stay; then a manifest naming what to remove and what to move in is committed,
@@ -88,16 +90,17 @@ def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, row
     tables = ordered_tables(run_parts, total_rows, rows_per_part) if order == "input" \
         else (read_part(p) for p in run_parts)
     totals, names = RowTotals(), []
-    for table in tables:  # each holds all of its input rows' samples: they were committed in one run part
+    for index, table in enumerate(tables):  # each holds all of its input rows' samples: committed in one run part
         totals.add(table)
         if report is not None:
             report.add(table)
-        table = table.drop_columns([ROW_COLUMN]).cast(schema)
-        names.append(f"part-{len(names):05d}.parquet")
-        sink.atomic_write(table, out, names[-1], directory=out.staging)
+        for name, content in fmt.files(table.drop_columns([ROW_COLUMN]).cast(schema), index):
+            write_final(out, name, content)
+            names.append(name)
     if not names:  # an empty input still gets one (empty) part, so that readers find a file
-        names.append("part-00000.parquet")
-        sink.atomic_write(schema.empty_table(), out, names[-1], directory=out.staging)
+        for name, content in fmt.empty(schema):
+            write_final(out, name, content)
+            names.append(name)
     if totals.rows != total_rows:
         raise RuntimeError(f"internal error: {totals.rows} rows committed for {total_rows} input rows")
     success = summary(totals)
@@ -110,6 +113,13 @@ def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, row
     return apply_rewrite(out)
 
 
+def write_final(out: OutputDir, name: str, content: pa.Table | str) -> None:
+    if isinstance(content, pa.Table):
+        sink.atomic_write(content, out, name, directory=out.staging)
+    else:
+        sink.atomic_write_text(out.staging / name, content)
+
+
 def apply_rewrite(out: OutputDir) -> dict:
     """Remove the run parts, move the final parts in, write _SUCCESS, remove the temp directory.
     Every step can be repeated, so an interrupted apply is finished by applying again."""
@@ -120,10 +130,11 @@ def apply_rewrite(out: OutputDir) -> dict:
         if (out.staging / name).exists():
             os.replace(out.staging / name, out.path / name)
     sink._fsync(out.path)
+    success = {**manifest["success"], "parts": [name for name in manifest["add"] if FINAL_PART.fullmatch(name)]}
     # scratch in the temp directory: a crash or a full disk here must not leave a file in the output
-    sink.atomic_write_text(out.path / SUCCESS, json.dumps(manifest["success"], indent=2) + "\n", scratch_dir=out.tmp)
+    sink.atomic_write_text(out.path / SUCCESS, json.dumps(success, indent=2) + "\n", scratch_dir=out.tmp)
     shutil.rmtree(out.tmp, ignore_errors=True)
-    return manifest["success"]
+    return success
 
 
 def ordered_tables(run_parts: list[PartFile], total_rows: int, rows_per_part: int) -> Iterator[pa.Table]:

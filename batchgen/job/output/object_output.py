@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from batchgen.object_store import (RemoteFile, StorageConfig, is_not_found, is_remote, list_objects, make_store,
                                    split_url, store_error)
 
+from .final_formats import FinalFormat
 from .final_rewrite import FinalReport, RowTotals, ordered_tables, report_html
 from .lease import LEASE, Lease, describe, read_lease
 from .resume import check_output, check_run_parts, refuse_changes, stored_fingerprint
@@ -88,7 +89,9 @@ class ObjectOutput:
         if unknown:
             return sorted(unknown)
         parts = [n for n in listing if n not in (SUCCESS, REWRITE_MANIFEST, LEASE, *SIDE_FILE_MARKS)]
-        foreign = [n for n in parts if FINGERPRINT_KEY not in (self.part_schema(listing[n]).metadata or {})]
+        listed = (self.success() or {}).get("parts", []) if any(n.endswith(".jsonl") for n in parts) else []
+        foreign = [n for n in parts if (n not in listed if n.endswith(".jsonl")  # JSON lines: named by _SUCCESS
+                                        else FINGERPRINT_KEY not in (self.part_schema(listing[n]).metadata or {}))]
         if SUCCESS in listing and "fingerprint" not in (self.success() or {}):
             foreign.append(SUCCESS)
         foreign += [n for n in SIDE_FILE_MARKS if n in listing and not is_side_file(n, self.read_text(n))]
@@ -263,7 +266,8 @@ def live_lease(out: ObjectOutput) -> str | None:
 
 
 def finalize_objects(out: ObjectOutput, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
-                     summary: Callable[[RowTotals], dict], report: FinalReport | None = None) -> dict:
+                     summary: Callable[[RowTotals], dict], report: FinalReport | None = None,
+                     fmt: FinalFormat = FinalFormat()) -> dict:
     """final_rewrite.finalize in object storage: the final parts written over any a killed rewrite left, the
     report, then the manifest, then apply_object_rewrite."""
     counted, superseded = out.ledger_parts(total_rows)
@@ -271,15 +275,17 @@ def finalize_objects(out: ObjectOutput, schema: pa.Schema, total_rows: int, orde
     tables = ordered_tables(counted, total_rows, rows_per_part) if order == "input" \
         else (read_part(p) for p in counted)
     totals, names = RowTotals(), []
-    for table in tables:
+    for index, table in enumerate(tables):
         totals.add(table)
         if report is not None:
             report.add(table)
-        names.append(f"part-{len(names):05d}.parquet")
-        out.put(names[-1], parquet_bytes(table.drop_columns([ROW_COLUMN]).cast(schema)))
+        for name, content in fmt.files(table.drop_columns([ROW_COLUMN]).cast(schema), index):
+            out.put(name, parquet_bytes(content) if isinstance(content, pa.Table) else content.encode())
+            names.append(name)
     if not names:
-        names.append("part-00000.parquet")
-        out.put(names[-1], parquet_bytes(schema.empty_table()))
+        for name, content in fmt.empty(schema):
+            out.put(name, parquet_bytes(content) if isinstance(content, pa.Table) else content.encode())
+            names.append(name)
     if totals.rows != total_rows:
         raise RuntimeError(f"internal error: {totals.rows} rows committed for {total_rows} input rows")
     for name in stale:  # a killed rewrite's parts beyond this one's

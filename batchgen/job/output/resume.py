@@ -21,19 +21,22 @@ from .sink import FINGERPRINT_KEY, OBJECT_RUN_PART, RUN_PART, TMP_SUFFIX, Damage
 
 # The Parquet tail: a 4-byte little-endian footer length, then the magic bytes.
 _TAIL = 8
+_TEXT_TAIL = 1 << 20  # a text input's identity hashes its last MiB
 
 
 def input_identity(path: InputFile) -> dict[str, Any]:
     """What makes an input file the same file for a resume: its size, modification time and a hash of its Parquet
-    footer (schema, row groups, column statistics), which changes with the content without reading the data. An
-    object's: its size and ETag (a rewritten object gets a new one)."""
+    footer (schema, row groups, column statistics), which changes with the content without reading the data; a
+    text file's, of its last bytes. An object's: its size and ETag (a rewritten object gets a new one)."""
     if isinstance(path, RemoteFile):
         return path.identity()
     try:
         stat = path.stat()
         with open(path, "rb") as file:
             file.seek(max(stat.st_size - _TAIL, 0))
-            length = min(int.from_bytes(file.read(4), "little"), max(stat.st_size - _TAIL, 0))
+            tail = file.read(_TAIL)
+            length = min(int.from_bytes(tail[:4], "little"), max(stat.st_size - _TAIL, 0)) \
+                if tail.endswith(b"PAR1") else min(stat.st_size, _TEXT_TAIL) - _TAIL
             file.seek(max(stat.st_size - _TAIL - length, 0))
             footer = file.read(length + _TAIL)
     except OSError as exc:

@@ -54,7 +54,7 @@ SCRATCH_MARK = "batchgen-scratch.json"  # in the temp directory: {"output": the 
 RUN_PART = re.compile(r"run-(\d+)\.parquet")
 # in object storage, where a run part cannot be renamed into place: named by its sequence and its run's id
 OBJECT_RUN_PART = re.compile(r"run-(\d+)-([0-9a-f]+)\.parquet")
-FINAL_PART = re.compile(r"part-(\d+)\.parquet")
+FINAL_PART = re.compile(r"(?:part|errors)-(\d+)\.(?:parquet|jsonl)")  # errors-*: output.format openai-batch
 
 
 def run_part_schema(schema: pa.Schema, fingerprint: str) -> pa.Schema:
@@ -214,6 +214,8 @@ class OutputDir:
             return "fingerprint" in (self.success() or {})
         if name in SIDE_FILE_MARKS:
             return is_side_file(name, self.read_text(name))
+        if name.endswith(".jsonl"):  # JSON lines carry no footer: batchgen's when its _SUCCESS names them
+            return name in (self.success() or {}).get("parts", [])
         return FINGERPRINT_KEY in (read_part_schema(self.path / name).metadata or {})
 
     def read_text(self, name: str) -> str | None:
@@ -283,9 +285,10 @@ class OutputDir:
 
     def remove_outputs(self) -> None:
         """--overwrite: remove everything batchgen wrote (never foreign files)."""
-        for name in self.names():
-            if (name in (SUCCESS, *SIDE_FILE_MARKS) or _is_part_name(name)) and self.carries_fingerprint(name):
-                (self.path / name).unlink()
+        ours = [name for name in self.names()  # all decided first: _SUCCESS names the JSON lines parts
+                if (name in (SUCCESS, *SIDE_FILE_MARKS) or _is_part_name(name)) and self.carries_fingerprint(name)]
+        for name in ours:
+            (self.path / name).unlink()
         if self.staging.exists():
             shutil.rmtree(self.staging)
         self.prepare_tmp()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batchgen.object_store import StorageConfig
+import pyarrow as pa
+
+from batchgen.object_store import RemoteFile, StorageConfig
 
 from ..config import JobConfigError
 from ..output.object_output import open_output
@@ -41,10 +43,26 @@ def read_output(path: str, storage: StorageConfig = StorageConfig()) -> ReportDa
         raise JobConfigError(f"output: {path} holds no finished batchgen output (no _SUCCESS); the report draws "
                              f"finished outputs (`batchgen status {path}` tells how far a run is)")
     rows = ReportRows()
+    fmt = ((summary.get("job") or {}).get("output") or {}).get("format", "parquet")
+    if fmt == "openai-batch":
+        raise JobConfigError(f"output: {path} is OpenAI Batch output, whose rows batchgen does not read back; its "
+                             f"report was drawn when it finished ({REPORT})")
     for part in out.final_parts():
+        if fmt == "jsonl":
+            rows.add(read_json_part(part))
+            continue
         for group in range(part_metadata(part).num_row_groups):
             rows.add(read_part(part, row_group=group, columns=list(COLUMNS)))
     return ReportData(str(out.path), summary, parse_timeline(out.read_text(TIMELINE)), rows)
+
+
+def read_json_part(part) -> pa.Table:
+    """A JSON lines part's columns that the report reads."""
+    import pyarrow.json as pj
+
+    source = part.open() if isinstance(part, RemoteFile) else str(part)
+    table = pj.read_json(source, parse_options=pj.ParseOptions(newlines_in_values=False))
+    return table.select([name for name in COLUMNS if name in table.column_names])
 
 
 def write_report(paths: list[str], target: str | None = None, storage: StorageConfig = StorageConfig()) -> str:

@@ -1,0 +1,268 @@
+"""Inputs that are not Parquet: JSON lines and CSV files (gzipped too), and OpenAI Batch request files, each turned
+once into a Parquet file in batchgen's cache (BATCHGEN_CACHE_DIR/inputs) that the job then reads like any other
+(the checks, the scan, resume by row position, `plan`, Ray windows by range). The job's fingerprint keeps the
+original file's identity, not the staged copy's.
+
+Each non-blank line (a CSV record) is one row, in file order. A line that cannot be a row (not JSON, not an object,
+a CSV record with another number of fields than the header, a batch request batchgen cannot serve) is still a row:
+it carries its error in the `_input_error` column, becomes that row's error, and the other rows run.
+
+Column types come from a first pass over the file: JSON strings, integers (floats where some are not), booleans,
+lists of strings, and chat messages ([{role, content}, ...]) keep their type; anything else is kept as its JSON text.
+A CSV cell is text, or an integer or float where every value of its column is one; an empty cell is null.
+Memory: one batch of rows (input.read_batch_rows) at a time, in both passes."""
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.object_store import RemoteFile
+
+from .openai_batch import SCHEMA as BATCH_SCHEMA
+from .openai_batch import BatchEndpoint
+from .parquet_read import InputFile
+from .staged_columns import INPUT_ERROR_COLUMN, MESSAGES_TYPE
+
+FORMATS = ("parquet", "jsonl", "csv", "openai-batch")
+SUFFIXES = {"parquet": (".parquet",), "jsonl": (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz"),
+            "csv": (".csv", ".csv.gz"), "openai-batch": (".jsonl", ".jsonl.gz")}
+STAGE_FORMAT = 1  # bump when a staged file's layout changes: older staged files are then made again
+ROW_GROUP_ROWS = 8192
+
+
+class InputFormatError(ValueError):
+    """A file that cannot be read as its format at all (e.g. a CSV without a header)."""
+
+
+def format_of(path: InputFile, configured: str) -> str:
+    """input.format, or for `auto` the file's extension (Parquet unless it names another format)."""
+    if configured != "auto":
+        return configured
+    name = str(path).lower()
+    for fmt in ("jsonl", "csv"):
+        if name.endswith(SUFFIXES[fmt]):
+            return fmt
+    return "parquet"
+
+
+def suffixes(configured: str) -> tuple[str, ...]:
+    """The names a directory's files must end in to be input files."""
+    if configured == "auto":
+        return SUFFIXES["parquet"] + SUFFIXES["jsonl"] + SUFFIXES["csv"]
+    return SUFFIXES[configured]
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    path: Path  # the Parquet copy
+    rows: int
+
+
+def stage(path: InputFile, fmt: str, cache_dir: Path, batch_rows: int) -> StagedFile:
+    """The Parquet copy of a text input file, made now unless the cache holds it (same file: path, size,
+    modification time or ETag)."""
+    target = cache_dir / f"{_cache_key(path, fmt)}.parquet"
+    if target.is_file():
+        try:
+            return StagedFile(target, pq.read_metadata(target).num_rows)
+        except Exception:  # a damaged copy: made again
+            pass
+    rows = Rows(fmt)
+    if fmt == "openai-batch":
+        schema = BATCH_SCHEMA
+    else:
+        for record in records(path, fmt):  # pass 1: the columns and their types
+            rows.observe(record)
+        schema = rows.schema()
+    scratch = target.with_name(f".{target.name}.{os.getpid()}.inprogress")
+    count = 0
+    with pq.ParquetWriter(scratch, schema, write_page_checksum=True) as writer:
+        batch: list[dict] = []
+        for record in records(path, fmt):  # pass 2: the rows
+            batch.append(record)
+            if len(batch) >= max(batch_rows, ROW_GROUP_ROWS):
+                writer.write_table(rows.table(batch, schema), row_group_size=ROW_GROUP_ROWS)
+                count += len(batch)
+                batch = []
+        if batch or not count:
+            writer.write_table(rows.table(batch, schema), row_group_size=ROW_GROUP_ROWS)
+            count += len(batch)
+    os.replace(scratch, target)
+    return StagedFile(target, count)
+
+
+def _cache_key(path: InputFile, fmt: str) -> str:
+    if isinstance(path, RemoteFile):
+        identity = f"{path.url}\0{path.size}\0{path.etag}"
+    else:
+        stat = Path(path).stat()
+        identity = f"{Path(path).resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(f"{STAGE_FORMAT}\0{fmt}\0{identity}".encode()).hexdigest()[:24]
+
+
+# -- records: each line (CSV record) as {column: value}, or {INPUT_ERROR_COLUMN: why} ---------------------------------
+
+def records(path: InputFile, fmt: str) -> Iterator[dict[str, Any]]:
+    with _open_text(path) as text:
+        if fmt == "csv":
+            yield from _csv_records(text)
+        elif fmt == "openai-batch":
+            yield from _jsonl_records(text, BatchEndpoint().row)
+        else:
+            yield from _jsonl_records(text, None)
+
+
+def _open_text(path: InputFile) -> IO[str]:
+    raw = path.open() if isinstance(path, RemoteFile) else open(path, "rb")
+    if str(path).lower().endswith(".gz"):
+        raw = gzip.GzipFile(fileobj=raw)
+    return io.TextIOWrapper(io.BufferedReader(raw) if not isinstance(raw, io.BufferedIOBase) else raw,
+                            encoding="utf-8", errors="strict", newline="")
+
+
+def _jsonl_records(text: IO[str], convert: Callable[[dict], dict] | None) -> Iterator[dict[str, Any]]:
+    number = 0
+    while True:
+        try:
+            line = text.readline()
+        except UnicodeDecodeError as exc:
+            raise InputFormatError(f"line {number + 1} is not UTF-8 ({exc.reason})") from None
+        if not line:
+            return
+        number += 1
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            yield {INPUT_ERROR_COLUMN: f"line {number} is not JSON: {exc}"}
+            continue
+        if not isinstance(value, dict):
+            yield {INPUT_ERROR_COLUMN: f"line {number} is not a JSON object"}
+            continue
+        if INPUT_ERROR_COLUMN in value:
+            value = {k: v for k, v in value.items() if k != INPUT_ERROR_COLUMN}
+        yield convert(value) if convert is not None else value
+
+
+def _csv_records(text: IO[str]) -> Iterator[dict[str, Any]]:
+    reader = csv.reader(text)
+    try:
+        header = next(reader, None)
+    except (csv.Error, UnicodeDecodeError) as exc:
+        raise InputFormatError(f"its header cannot be read ({exc})") from None
+    if not header or len(set(header)) != len(header) or any(not name for name in header):
+        raise InputFormatError("its first line must be a header naming every column once")
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except (csv.Error, UnicodeDecodeError) as exc:
+            raise InputFormatError(f"line {reader.line_num} cannot be read ({exc})") from None
+        if not fields:
+            continue
+        if len(fields) != len(header):
+            yield {INPUT_ERROR_COLUMN: f"line {reader.line_num} has {len(fields)} fields, the header {len(header)}"}
+            continue
+        yield {name: value if value != "" else None for name, value in zip(header, fields)}
+
+
+# -- columns and their types ------------------------------------------------------------------------------------------
+
+class Rows:
+    """What the first pass learns of each column (the kinds of its values), and how the second writes them."""
+
+    def __init__(self, fmt: str) -> None:
+        self.csv = fmt == "csv"
+        self.kinds: dict[str, set[str]] = {}
+
+    def observe(self, record: dict[str, Any]) -> None:
+        for name, value in record.items():
+            self.kinds.setdefault(name, set()).add(_csv_kind(value) if self.csv else _json_kind(value))
+
+    def schema(self) -> pa.Schema:
+        fields = [pa.field(name, _arrow_type(kinds - {"null"})) for name, kinds in self.kinds.items()
+                  if name != INPUT_ERROR_COLUMN]
+        return pa.schema(fields + [pa.field(INPUT_ERROR_COLUMN, pa.string())])
+
+    def table(self, batch: list[dict], schema: pa.Schema) -> pa.Table:
+        columns = {}
+        for field in schema:
+            values = [record.get(field.name) for record in batch]
+            columns[field.name] = pa.array([_as(value, field.type, self.csv) for value in values], field.type)
+        return pa.table(columns, schema=schema)
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int" if -2**63 <= value < 2**63 else "other"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list) and value and all(_is_message(item) for item in value):
+        return "messages"
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return "strings"
+    return "other"
+
+
+def _is_message(item: Any) -> bool:
+    return isinstance(item, dict) and set(item) <= {"role", "content"} and isinstance(item.get("role"), str) \
+        and isinstance(item.get("content"), str)
+
+
+def _csv_kind(value: str | None) -> str:
+    if value is None:
+        return "null"
+    for kind, parse in (("int", int), ("float", float)):
+        try:
+            parse(value)
+            return kind if kind != "int" or -2**63 <= int(value) < 2**63 else "other"
+        except ValueError:
+            continue
+    return "str"
+
+
+def _arrow_type(kinds: set[str]) -> pa.DataType:
+    if not kinds or kinds == {"str"}:
+        return pa.string()
+    if kinds == {"bool"}:
+        return pa.bool_()
+    if kinds == {"int"}:
+        return pa.int64()
+    if kinds <= {"int", "float"}:
+        return pa.float64()
+    if kinds == {"messages"}:
+        return MESSAGES_TYPE
+    if kinds == {"strings"}:
+        return pa.list_(pa.string())
+    return pa.string()  # mixed or nested: the values' JSON text
+
+
+def _as(value: Any, arrow_type: pa.DataType, from_csv: bool) -> Any:
+    if value is None:
+        return None
+    if from_csv:
+        return int(value) if pa.types.is_int64(arrow_type) else float(value) if pa.types.is_float64(arrow_type) \
+            else value
+    if pa.types.is_string(arrow_type) and not isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if pa.types.is_float64(arrow_type):
+        return float(value)
+    return value

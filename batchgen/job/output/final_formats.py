@@ -1,0 +1,143 @@
+"""output.format: what the final rewrite writes for each table of the output (`rows_per_part` input positions, every
+sample of a row together). `parquet` (the default): a Parquet part. `jsonl`: the output columns as JSON lines.
+`openai-batch`: one line per request in OpenAI Batch output form — {id, custom_id, response: {status_code,
+request_id, body}, error} — with the requests that failed in their own `errors-*.jsonl` files, as OpenAI writes an
+error file; batchgen's timings ride along in a `batchgen` object on each line. The run parts, the ledger and
+`_SUCCESS` are the same for every format."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Union
+
+import pyarrow as pa
+
+from .schema import ROW_COLUMN, SAMPLE_COLUMN
+
+OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# the extension object's fields: batchgen's own per-row figures, beside OpenAI's
+TIMING_FIELDS = ("queue_s", "ttft_s", "tpot_s", "e2e_s", "arrival_time", "first_token_time", "finish_time",
+                 "cached_tokens", "num_preemptions", "replica")
+
+FinalFile = tuple[str, Union[pa.Table, str]]  # a file's name, and its table (Parquet) or its text (JSON lines)
+
+
+@dataclass(frozen=True)
+class FinalFormat:
+    kind: str = "parquet"
+    model: str = ""  # openai-batch: the model named in each response
+    chat: bool = True  # openai-batch, for rows without a request url: the job's endpoint (its chat template on)
+
+    def files(self, table: pa.Table, index: int) -> list[FinalFile]:
+        """The final files of one table (without `_row`): its part, and for openai-batch its errors, if any."""
+        if self.kind == "parquet":
+            return [(f"part-{index:05d}.parquet", table)]
+        if self.kind == "jsonl":
+            return [(f"part-{index:05d}.jsonl", "".join(_line(row) for row in table.to_pylist()))]
+        responses, errors = batch_lines(table, self.model, self.chat)
+        return [(f"part-{index:05d}.jsonl", responses)] + ([(f"errors-{index:05d}.jsonl", errors)] if errors else [])
+
+    def empty(self, schema: pa.Schema) -> list[FinalFile]:
+        return [(f"part-00000.{'parquet' if self.kind == 'parquet' else 'jsonl'}",
+                 schema.empty_table() if self.kind == "parquet" else "")]
+
+
+def _line(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=_plain, separators=(",", ":")) + "\n"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def batch_lines(table: pa.Table, model: str, chat: bool) -> tuple[str, str]:
+    """(response lines, error lines) of the table's requests: a request is its id's rows (its n samples)."""
+    responses, errors = [], []
+    rows = table.to_pylist()
+    start = 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and rows[end].get(SAMPLE_COLUMN, 0) > 0:
+            end += 1  # the same request's next sample
+        samples = rows[start:end]
+        start = end
+        first = samples[0]
+        request_id = _request_id(first)
+        line = {"id": f"batch_req_{request_id}", "custom_id": _custom_id(first["id"])}
+        is_chat = first["url"] == CHAT if first.get("url") in (CHAT, COMPLETIONS) else chat
+        if first["finish_reason"] == "error":
+            line |= {"response": {"status_code": 400, "request_id": request_id, "body": {"error": {
+                "message": first["error"], "type": "invalid_request_error", "param": None, "code": None}}},
+                "error": None}
+            errors.append(_line(line | {"batchgen": _timings(first)}))
+            continue
+        line |= {"response": {"status_code": 200, "request_id": request_id,
+                              "body": _body(samples, model, is_chat, request_id)}, "error": None,
+                 "batchgen": _timings(first) | {"samples": [_timings(s) for s in samples]} if len(samples) > 1
+                 else _timings(first)}
+        responses.append(_line(line))
+    return "".join(responses), "".join(errors)
+
+
+def _request_id(row: dict) -> str:
+    """Stable across runs of the same output: from the row's id and its finish time."""
+    seed = f"{row['id']}\0{row.get('finish_time')}"
+    return hashlib.sha256(seed.encode()).hexdigest()[:24]
+
+
+def _custom_id(ident: Any) -> Any:
+    return ident if isinstance(ident, str) or ident is None else str(ident)
+
+
+def _body(samples: list[dict], model: str, chat: bool, request_id: str) -> dict:
+    finished = max(s["finish_time"] for s in samples)
+    created = int(finished.replace(tzinfo=finished.tzinfo or timezone.utc).timestamp())
+    choices = []
+    for index, s in enumerate(samples):
+        logprobs = _logprobs(s, chat)
+        if chat:
+            choices.append({"index": index, "message": {"role": "assistant", "content": s["text"]},
+                            "logprobs": logprobs, "finish_reason": s["finish_reason"]})
+        else:
+            choices.append({"index": index, "text": s["text"], "logprobs": logprobs,
+                            "finish_reason": s["finish_reason"]})
+    completion = sum(s["output_tokens"] for s in samples)
+    prompt = samples[0]["prompt_tokens"]
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+            "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                          "total_tokens": prompt + completion,
+                                          "prompt_tokens_details": {"cached_tokens": samples[0]["cached_tokens"]}}}
+
+
+def _logprobs(row: dict, chat: bool) -> dict | None:
+    """OpenAI's logprobs of a choice. The sampled token's text is its own entry among the top alternatives where
+    it is one of them (greedy: always), else null."""
+    values, tops = row.get("logprobs"), row.get("top_logprobs")
+    if values is None:
+        return None
+    tops = tops or [[] for _ in values]
+    tokens = [next((alt["token"] for alt in alts if alt["logprob"] == value), None) for value, alts in zip(values, tops)]
+    if chat:
+        return {"content": [{"token": token, "logprob": value, "bytes": None,
+                             "top_logprobs": [{"token": alt["token"], "logprob": alt["logprob"], "bytes": None}
+                                              for alt in alts]}
+                            for token, value, alts in zip(tokens, values, tops)]}
+    return {"tokens": tokens, "token_logprobs": values,
+            "top_logprobs": [{alt["token"]: alt["logprob"] for alt in alts} for alts in tops], "text_offset": None}
+
+
+def _timings(row: dict) -> dict:
+    return {name: (row[name].isoformat() if isinstance(row[name], datetime) else row[name])
+            for name in TIMING_FIELDS if name in row}
+
+
+def without_row_column(table: pa.Table) -> pa.Table:
+    return table.drop_columns([ROW_COLUMN]) if ROW_COLUMN in table.column_names else table

@@ -1,0 +1,65 @@
+"""`batchgen run-batch -i requests.jsonl -o results.jsonl`: the command line `vllm run-batch` users type, as a batchgen
+job. The job reads the OpenAI Batch file (input.format: openai-batch) and writes OpenAI Batch output
+(output.format: openai-batch) into a work directory beside the results, `results.jsonl.batchgen/`, with every
+guarantee of `batchgen run` (its ledger: the same command resumes a killed run; its `_report.html`); once it is
+finished, its parts are joined into `-o` (requests answered) and `results.errors.jsonl` (requests that failed, as
+OpenAI writes an error file), each written whole or not at all."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .keys import JobConfigError
+from .output.sink import FINAL_PART
+
+WORK_SUFFIX = ".batchgen"
+# As OpenAI's and vLLM's endpoints: a request without a temperature samples at 1.0 (batchgen's jobs default to 0).
+RUN_BATCH_SAMPLING = {"temperature": 1.0}
+
+
+def batch_job(requests: str, results: str, model: str) -> dict[str, Any]:
+    """The raw job of a run-batch command (--set overrides apply to it like to a job file)."""
+    return {"model": model, "input": {"path": requests, "format": "openai-batch"},
+            "sampling": dict(RUN_BATCH_SAMPLING),
+            "output": {"path": work_dir(results), "format": "openai-batch"}}
+
+
+def work_dir(results: str) -> str:
+    if results.startswith("s3://"):
+        raise JobConfigError(f"-o: {results}: run-batch writes a local file; for object storage, run a job with "
+                             f"output.format: openai-batch")
+    return str(Path(results).expanduser()) + WORK_SUFFIX
+
+
+def errors_path(results: str) -> Path:
+    path = Path(results).expanduser()
+    stem = path.name[:-len(".jsonl")] if path.name.endswith(".jsonl") else path.name
+    return path.with_name(f"{stem}.errors.jsonl")
+
+
+def assemble(results: str, summary: dict) -> tuple[Path, Path | None]:
+    """Join the finished job's parts into the results file and, where requests failed, the errors file (each
+    through a scratch file renamed into place). Returns their paths."""
+    work = Path(work_dir(results))
+    parts = [name for name in summary.get("parts", []) if FINAL_PART.fullmatch(name)]
+    target, errors = Path(results).expanduser(), errors_path(results)
+    _join(sorted(work / name for name in parts if name.startswith("part-")), target)
+    failed = sorted(work / name for name in parts if name.startswith("errors-"))
+    if failed:
+        _join(failed, errors)
+    else:
+        errors.unlink(missing_ok=True)  # an earlier, failed run's
+    return target, errors if failed else None
+
+
+def _join(sources: list[Path], target: Path) -> None:
+    scratch = target.with_name(f".{target.name}.inprogress")
+    with open(scratch, "wb") as out:
+        for source in sources:
+            with open(source, "rb") as part:
+                while chunk := part.read(1 << 20):
+                    out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(scratch, target)
