@@ -5,6 +5,7 @@ line naming it; `batchgen plan` reads the object; and the credentials in the env
 and no log line."""
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -90,6 +91,22 @@ def test_the_sample_job_from_s3_equals_the_local_run_and_leaks_no_credential(tmp
     for text in [remote.stderr, remote.stdout, planned.stdout, planned.stderr,
                  *(path.read_bytes().decode("latin-1") for path in (tmp_path / "remote").rglob("*") if path.is_file())]:
         assert ACCESS_KEY not in text and SECRET_KEY not in text
+
+
+def test_json_lines_and_gzipped_csv_objects_give_the_parquet_objects_output(tmp_path, s3, local, monkeypatch):
+    """Text inputs from the store: listed under a prefix by their names, read (through the gzip) into the cache's
+    Parquet copy, and identified by their ETag in the fingerprint."""
+    frame = pl.read_parquet(PROMPTS)
+    client = s3.client()
+    client.put_object(Bucket="inputs", Key="text/jsonl/prompts.jsonl", Body=frame.write_ndjson().encode())
+    client.put_object(Bucket="inputs", Key="text/csv/prompts.csv.gz", Body=gzip.compress(frame.write_csv().encode()))
+    env = {**s3.env(), "BATCHGEN_CACHE_DIR": str(tmp_path / "cache")}
+    for kind in ("jsonl", "csv"):
+        done = batchgen("run", write_job(tmp_path, kind, f"s3://inputs/text/{kind}/"), env, "--quiet")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert read(tmp_path / kind).equals(local)
+        [file] = json.loads((tmp_path / kind / "_SUCCESS").read_text())["fingerprint"]["files"]
+        assert file["format"] == kind and file["etag"] and file["path"].startswith(f"s3://inputs/text/{kind}/")
 
 
 @pytest.mark.slow
