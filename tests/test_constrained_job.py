@@ -495,7 +495,8 @@ def test_samples_are_committed_together_and_finalized_in_row_then_sample_order(t
     table = ds.dataset(prepared.out.path).to_table()
     wanted = [(key, i) for key, n in zip(keys, [2, 2, 1, 1, 3, 2, 2]) for i in range(n)]  # the error row: one
     assert list(zip(table["id"].to_pylist(), table["sample_index"].to_pylist())) == wanted
-    assert summary == {"rows": 7, "output_rows": 13, "rows_ok": 6, "rows_error": 1, "output_tokens": 24}
+    assert summary == {"rows": 7, "output_rows": 13, "rows_ok": 6, "rows_error": 1, "output_tokens": 24,
+                       "parts": ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]}
     assert table.filter(pa.compute.equal(table["id"], "k4"))["json"].to_pylist() == \
         [{"label": "r4", "score": i} for i in range(3)]
     error_row = table.filter(pa.compute.equal(table["id"], "k2")).to_pylist()[0]

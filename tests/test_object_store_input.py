@@ -208,7 +208,7 @@ def test_503_slowdown_is_retried_with_backoff_then_one_error_line(tmp_path, s3, 
 def test_a_missing_object_is_a_job_error(tmp_path, s3):
     result = batchgen("run", write_job(tmp_path, "out", "s3://inputs/nothing-here/"), s3.env(), "--quiet")
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "input.path: no Parquet objects found at s3://inputs/nothing-here/" in result.stderr
+    assert "input.path: no input objects found at s3://inputs/nothing-here/ (names ending in .parquet" in result.stderr
 
 
 def test_a_store_stopped_mid_run_is_exit_1_and_a_rerun_after_its_restart_resumes(tmp_path):

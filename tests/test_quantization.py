@@ -147,7 +147,7 @@ def test_quantization_is_part_of_the_resume_fingerprint_only_when_on():
     from batchgen.job.prepare import job_fingerprint
 
     raw = {"input": {"path": "in.parquet"}, "output": {"path": "out"}}
-    no_inputs = SimpleNamespace(files=[], row_counts=[])
+    no_inputs = SimpleNamespace(files=[], row_counts=[], sources=(), format="parquet")
     plain = job_fingerprint(parse_job(raw), "default", no_inputs)
     int8 = job_fingerprint(parse_job({**raw, "engine": {"quantization": "int8"}}), "default", no_inputs)
     assert "quantization" not in plain  # outputs written before the setting existed still resume

@@ -66,10 +66,10 @@ def test_find_input_files_file_directory_glob(tmp_path):
     assert find_input_files(str(tmp_path / "d" / "*.parquet")) == [b, a]
     with pytest.raises(JobConfigError, match="input.path: no such file or directory"):
         find_input_files(str(tmp_path / "missing.parquet"))
-    with pytest.raises(JobConfigError, match="input.path: no Parquet files found"):
+    with pytest.raises(JobConfigError, match="input.path: no input files found"):
         find_input_files(str(tmp_path / "d" / "*.csv"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(JobConfigError, match="input.path: no Parquet files found"):
+    with pytest.raises(JobConfigError, match="input.path: no input files found"):
         find_input_files(str(tmp_path / "empty"))
 
 
@@ -338,7 +338,8 @@ def test_finalize_restores_input_order(tmp_path, rows_per_part):
     order = [7, 3, 9, 0, 5, 1, 8, 2, 6, 4]  # completion order
     out = committed_output(tmp_path, order)
     summary = finalize(out, SCHEMA, 10, "input", rows_per_part, summarize)
-    assert summary == {"rows": 10, "rows_error": 1, "cached_tokens": 4}  # odd rows but the error row 5
+    parts = [f"part-{i:05d}.parquet" for i in range(math.ceil(10 / rows_per_part))]
+    assert summary == {"rows": 10, "rows_error": 1, "cached_tokens": 4, "parts": parts}  # odd rows but the error row 5
     assert json.loads((out.path / "_SUCCESS").read_text()) == summary
     names = out.names()
     assert names[0] == "_SUCCESS" and all(n.startswith("part-") for n in names[1:])
