@@ -125,8 +125,9 @@ def test_column_types_follow_the_values(tmp_path):
                                       ("l", pa.list_(pa.string())), ("m", MESSAGES_TYPE), ("o", pa.string()),
                                       ("mixed", pa.string()), (INPUT_ERROR_COLUMN, pa.string())])
     assert table["o"].to_pylist() == ['{"k": 1}', "[1]"] and table["mixed"].to_pylist() == ["1", "one"]
-    (tmp_path / "t.csv").write_text("a,b,c\n1,1.5,x\n2,,7\n")
+    (tmp_path / "t.csv").write_bytes("\ufeffa,b,c\r\n1,1.5,x\r\n2,,7\r\n".encode())  # a spreadsheet's BOM and CRLF
     table = pq.read_table(stage(tmp_path / "t.csv", "csv", tmp_path, 100).path)
+    assert table.schema.names[:3] == ["a", "b", "c"] and table["c"].to_pylist() == ["x", "7"]
     assert table.schema.types[:3] == [pa.int64(), pa.float64(), pa.string()] and table["b"].to_pylist() == [1.5, None]
 
 

@@ -36,7 +36,7 @@ from .staged_columns import INPUT_ERROR_COLUMN, MESSAGES_TYPE
 FORMATS = ("parquet", "jsonl", "csv", "openai-batch")
 SUFFIXES = {"parquet": (".parquet",), "jsonl": (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz"),
             "csv": (".csv", ".csv.gz"), "openai-batch": (".jsonl", ".jsonl.gz")}
-STAGE_FORMAT = 1  # bump when a staged file's layout changes: older staged files are then made again
+STAGE_FORMAT = 2  # bump when a staged file's layout changes: older staged files are then made again
 ROW_GROUP_ROWS = 8192
 
 
@@ -126,8 +126,9 @@ def _open_text(path: InputFile) -> IO[str]:
     raw = path.open() if isinstance(path, RemoteFile) else open(path, "rb")
     if str(path).lower().endswith(".gz"):
         raw = gzip.GzipFile(fileobj=raw)
+    # utf-8-sig: a byte-order mark (spreadsheets write one before a CSV's header) is not part of the first name
     return io.TextIOWrapper(io.BufferedReader(raw) if not isinstance(raw, io.BufferedIOBase) else raw,
-                            encoding="utf-8", errors="strict", newline="")
+                            encoding="utf-8-sig", errors="strict", newline="")
 
 
 def _jsonl_records(text: IO[str], convert: Callable[[dict], dict] | None) -> Iterator[dict[str, Any]]:
