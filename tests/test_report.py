@@ -62,7 +62,8 @@ def test_the_sample_jobs_report_draws_every_chart_from_its_output(sample):
     assert shown["health"]["rows"] == ["30"] and shown["health"]["error rows"] == ["0"]
     assert shown["health"]["output tokens per dollar"] == [f"{summary['tokens_per_dollar']:,.0f}"]
     ttft = pl.read_parquet(f"{sample}/*.parquet")["ttft_s"]
-    p90 = float(shown["health"]["time to first token p90"][0].split()[0]) / 1000  # e.g. "466 ms"
+    number, unit = shown["health"]["time to first token p90"][0].split()  # "466 ms", "1.17 s"
+    p90 = float(number) * {"ms": 1e-3, "s": 1.0, "min": 60.0}[unit]
     assert p90 == pytest.approx(float(ttft.quantile(0.9, "linear")), rel=0.01)
     assert shown["charts"]["throughput"]["series"] == ["engine"]  # one engine lane; the job's lane draws progress
     assert shown["charts"]["progress"]["series"] == ["job"]
