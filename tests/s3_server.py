@@ -63,11 +63,14 @@ def start_s3_server(port: int | None = None) -> S3Server:
 class ThrottlingProxy:
     """An HTTP proxy in front of an S3 server that answers the first `throttled` requests (every one: None) with
     503 SlowDown, as S3 does under load, and forwards the rest. Stopped, it is a store that cannot be reached (whose
-    objects are kept: another proxy on the same port brings it back)."""
+    objects are kept: another proxy on the same port brings it back). A PUT whose key contains one of `slow_puts`
+    waits `put_delay_s` before it is forwarded: a write that lasts long enough for a test to act in it."""
 
-    def __init__(self, upstream: str, throttled: int | None, port: int = 0) -> None:
+    def __init__(self, upstream: str, throttled: int | None, port: int = 0, slow_puts: tuple[str, ...] = (),
+                 put_delay_s: float = 0.0) -> None:
         import http.client
         import threading
+        import time
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         proxy = self
@@ -84,6 +87,8 @@ class ThrottlingProxy:
                 signed = self.headers.get("Authorization", "").partition("Credential=")[2].partition("/")[0]
                 proxy.access_keys.add(signed)
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "PUT" and any(mark in self.path for mark in slow_puts):
+                    time.sleep(put_delay_s)
                 if proxy.throttled is None or proxy.requests <= proxy.throttled:
                     reply = (b"<?xml version=\"1.0\"?><Error><Code>SlowDown</Code>"
                              b"<Message>Please reduce your request rate.</Message></Error>")

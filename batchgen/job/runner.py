@@ -150,9 +150,10 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
             raise
         writer.commit()
         check_input_unchanged(job)
-        save_timeline("finished")
+        final_timeline = timeline.to_json(fingerprint, "finished")  # one reading: the file and the page agree
+        out.write_text(TIMELINE, json.dumps(final_timeline))
         summarize = lambda totals: build_summary(job, totals, progress, run, started_at)
-        report = JobReport(out.path, timeline.to_json(fingerprint, "finished")) if config.output.report else None
+        report = JobReport(out.path, final_timeline) if config.output.report else None
         final = finalize_objects if in_store else finalize
         fmt = FinalFormat(config.output.format, model=config.model, chat=bool(config.input.chat_template))
         return final(out, final_part_schema(job.schema, fingerprint), job.inputs.total_rows,
