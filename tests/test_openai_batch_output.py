@@ -107,6 +107,16 @@ def test_the_same_command_again_rewrites_the_results_from_the_finished_job(answe
     assert (answered / "results.jsonl").read_bytes() == before
 
 
+def test_batchgen_report_reads_an_openai_batch_output_back_to_the_same_page(answered):
+    work = answered / "results.jsonl.batchgen"
+    drawn = (work / "_report.html").read_text()  # drawn at the finish, from the output tables
+    again = batchgen("report", str(work), "-o", str(answered / "again.html"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    redrawn = (answered / "again.html").read_text()  # from the OpenAI Batch lines and their `batchgen` objects
+    assert "ms</td>" in drawn and "14</td>" in drawn  # latencies and the row count: a page with figures
+    assert redrawn.split("<footer>")[0] == drawn.split("<footer>")[0]
+
+
 @pytest.mark.slow
 def test_run_batch_killed_and_resumed_answers_every_custom_id_once(tmp_path):
     requests = write_lines(tmp_path / "requests.jsonl", chat_requests(16))

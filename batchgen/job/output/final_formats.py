@@ -20,7 +20,7 @@ OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 # the extension object's fields: batchgen's own per-row figures, beside OpenAI's
 TIMING_FIELDS = ("queue_s", "ttft_s", "tpot_s", "e2e_s", "arrival_time", "first_token_time", "finish_time",
-                 "cached_tokens", "num_preemptions", "replica")
+                 "output_tokens", "cached_tokens", "num_preemptions", "replica")
 
 FinalFile = tuple[str, Union[pa.Table, str]]  # a file's name, and its table (Parquet) or its text (JSON lines)
 
@@ -137,6 +137,29 @@ def _logprobs(row: dict, chat: bool) -> dict | None:
 def _timings(row: dict) -> dict:
     return {name: (row[name].isoformat() if isinstance(row[name], datetime) else row[name])
             for name in TIMING_FIELDS if name in row}
+
+
+def batch_rows(text: str) -> list[dict]:
+    """The output rows' figures that OpenAI Batch lines (responses or errors, as batch_lines writes them) carry back:
+    a row per sample, with its finish reason, error, tokens and the `batchgen` object's timings (what `batchgen
+    report` reads of such an output)."""
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        ours, body = request.get("batchgen") or {}, (request.get("response") or {}).get("body") or {}
+        if "error" in body or request.get("error"):
+            error = (body.get("error") or request.get("error") or {}).get("message")
+            rows.append({**ours, "finish_reason": "error", "error": error, "prompt_tokens": 0, "output_tokens": 0})
+            continue
+        usage, choices = body.get("usage") or {}, body.get("choices") or []
+        samples = ours.get("samples") or [ours]
+        for choice, sample in zip(choices, samples):
+            rows.append({**sample, "finish_reason": choice.get("finish_reason"), "error": None,
+                         "prompt_tokens": usage.get("prompt_tokens", 0),
+                         "output_tokens": sample.get("output_tokens", usage.get("completion_tokens", 0))})
+    return rows
 
 
 def without_row_column(table: pa.Table) -> pa.Table:

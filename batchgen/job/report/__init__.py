@@ -11,11 +11,12 @@ import pyarrow as pa
 from batchgen.object_store import RemoteFile, StorageConfig
 
 from ..config import JobConfigError
+from ..output.final_formats import batch_rows
 from ..output.object_output import open_output
 from ..output.sink import REPORT, TIMELINE, part_metadata, read_part
 from ..timeline import parse_timeline
 from .page import CHARTS, GENERATOR, ReportData, render
-from .rows import COLUMNS, ReportRows
+from .rows import COLUMNS, LATENCIES, ReportRows
 
 __all__ = ["CHARTS", "GENERATOR", "JobReport", "REPORT", "read_output", "render", "write_report"]
 
@@ -44,10 +45,10 @@ def read_output(path: str, storage: StorageConfig = StorageConfig()) -> ReportDa
                              f"finished outputs (`batchgen status {path}` tells how far a run is)")
     rows = ReportRows()
     fmt = ((summary.get("job") or {}).get("output") or {}).get("format", "parquet")
-    if fmt == "openai-batch":
-        raise JobConfigError(f"output: {path} is OpenAI Batch output, whose rows batchgen does not read back; its "
-                             f"report was drawn when it finished ({REPORT})")
     for part in out.final_parts():
+        if fmt == "openai-batch":
+            rows.add(read_batch_part(part))
+            continue
         if fmt == "jsonl":
             rows.add(read_json_part(part))
             continue
@@ -63,6 +64,18 @@ def read_json_part(part) -> pa.Table:
     source = part.open() if isinstance(part, RemoteFile) else str(part)
     table = pj.read_json(source, parse_options=pj.ParseOptions(newlines_in_values=False))
     return table.select([name for name in COLUMNS if name in table.column_names])
+
+
+def read_batch_part(part) -> pa.Table:
+    """An OpenAI Batch part's (or error file's) rows, as the report reads them: a row per sample."""
+    text = part.open().read().decode() if isinstance(part, RemoteFile) else Path(part).read_text()
+    rows = batch_rows(text)
+    types = {name: pa.float64() for name in LATENCIES} | {"finish_reason": pa.string(), "error": pa.string(),
+                                                          "prompt_tokens": pa.int64(), "output_tokens": pa.int64(),
+                                                          "cached_tokens": pa.int64(), "replica": pa.int64()}
+    present = {name for row in rows for name in row}  # `replica` only in Ray runs' rows
+    return pa.table({name: pa.array([row.get(name) for row in rows], kind) for name, kind in types.items()
+                     if name in present})
 
 
 def write_report(paths: list[str], target: str | None = None, storage: StorageConfig = StorageConfig()) -> str:
