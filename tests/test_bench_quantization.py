@@ -24,6 +24,7 @@ from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
 from batchgen.engine.errors import SettingError
 from batchgen.job import load_job
 from batchgen.job.plan.estimate import make_plan
+from batchgen.engine.cpu_features import w8a8_slow_reason
 from batchgen.job.plan.precision_advice import advise_precision, label
 from batchgen.machine import machine_info
 from batchgen.models.quantization import Int8Linear, quantize_weight
@@ -187,3 +188,20 @@ def test_precision_advice_from_a_record(tmp_path):
     assert advise_precision(archive, {**device, "cores": 999}, "bfloat16", None, 8, 0, 1) == []
     asked = advise_precision(archive, {**device, "cores": 999}, "bfloat16", "int8", 8, 0, 1)
     assert len(asked) == 1 and "--quantization none,int8-weight-only" in asked[0]
+
+
+def test_w8a8_on_a_cpu_without_vnni_is_advised_against_in_the_plan(tmp_path):
+    """On a CPU without int8 dot products (AVX2 only) the plan says W8A8 is slow there, record or not; with VNNI, or
+    another quantization, it says nothing of it."""
+    flags = {"avx2": True, "avx512f": False, "avx512_vnni": False, "avx_vnni": False, "amx_int8": False}
+    avx2 = {"type": "cpu", "cpu": "AMD EPYC", "cores": 2, "cpu_flags": flags}
+    lines = advise_precision(tmp_path / "none.jsonl", avx2, "float32", "int8", 8, 0, 1)
+    assert lines[0].startswith("precision: this CPU lacks avx512_vnni/avx_vnni/amx_int8, so W8A8")
+    assert "int8-weight-only with bfloat16" in lines[0] and len(lines) == 2  # and how to measure, with no record
+    vnni = {**avx2, "cpu_flags": {**flags, "avx_vnni": True}}
+    assert not any("lacks" in line for line in advise_precision(tmp_path / "none.jsonl", vnni, "float32", "int8",
+                                                                8, 0, 1))
+    assert advise_precision(tmp_path / "none.jsonl", avx2, "bfloat16", "int8-weight-only", 8, 0, 1)[0].startswith(
+        "precision: no `batchgen bench --roofline` record")
+    assert w8a8_slow_reason({"avx2", "fma"}) and w8a8_slow_reason({"avx2", "avx512_vnni"}) is None
+    assert w8a8_slow_reason(set()) is None  # flags unknown: nothing said

@@ -21,7 +21,7 @@ from ..models.accounting import num_parameters, weight_bytes
 from ..models.packed_linear import PackedLinear, packing_supported
 from ..models.upcast_linear import UpcastLinear, upcast_supported
 from ..models.quantization import WEIGHT_ONLY_DTYPES
-from .cpu_features import DtypeChoice, auto_cpu_dtype
+from .cpu_features import DtypeChoice, auto_cpu_dtype, w8a8_slow_reason
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
 from .engine_args import EngineArgs
 from .errors import SettingError
@@ -85,6 +85,9 @@ def set_up(args: EngineArgs) -> EngineSetup:
             heap.close()
     if args.quantization:  # said at every run, not only in the README: outputs change
         logger.warning(QUANTIZATION_WARNINGS[args.quantization])
+    slow = w8a8_slow_reason() if args.quantization == "int8" and device.type == "cpu" else None
+    if slow:
+        logger.warning("quantization int8: %s", slow)
     if pack:
         packed = sum(isinstance(module, PackedLinear) for module in model.modules())
         upcast = sum(isinstance(module, UpcastLinear) for module in model.modules())

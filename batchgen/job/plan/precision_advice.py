@@ -20,6 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from batchgen.engine.cpu_features import w8a8_slow_reason
+
 from .throughput import same_cpu
 
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -73,7 +75,22 @@ def prefill_per_token(record: dict[str, Any]) -> dict[tuple[str, str | None], fl
             for case in record.get("prefill", []) if "best_s" in case and case.get("tokens")}
 
 
+def w8a8_without_vnni(device: dict[str, Any], quantization: str | None) -> str | None:
+    flags = device.get("cpu_flags")
+    if quantization != "int8" or device.get("type") != "cpu" or not flags:
+        return None
+    slow = w8a8_slow_reason({flag for flag, present in flags.items() if present})
+    return f"precision: {slow}" if slow else None
+
+
 def advise_precision(archive: Path, device: dict[str, Any], dtype: str, quantization: str | None,
+                     decode_batch: int, prompt_tokens: float, output_tokens: float) -> list[str]:
+    no_vnni = w8a8_without_vnni(device, quantization)
+    return ([no_vnni] if no_vnni else []) + _measured_advice(archive, device, dtype, quantization, decode_batch,
+                                                              prompt_tokens, output_tokens)
+
+
+def _measured_advice(archive: Path, device: dict[str, Any], dtype: str, quantization: str | None,
                      decode_batch: int, prompt_tokens: float, output_tokens: float) -> list[str]:
     """Lines for the plan: each variant's decode step at the job's decode batch (the measured batch nearest it)
     and, where the record timed prefill too, its time per prompt token; the job's generation estimated with each
