@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from batchgen.job.input.openai_batch import BatchEndpoint
-from batchgen.job.input.text_formats import INPUT_ERROR_COLUMN, MESSAGES_TYPE, stage
+from batchgen.job.input.text_formats import INPUT_ERROR_COLUMN, MESSAGES_TYPE, stage, sweep_staged
 from cli_runs import kill_after_parts, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,12 @@ def texts(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("kind", ["csv", "jsonl", "jsonl.gz"])
 def test_a_text_input_gives_the_parquet_inputs_output(tmp_path, texts, kind, monkeypatch):
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / "inputs"
+    cache.mkdir(parents=True)
+    days = lambda n: time.time() - n * 86400
+    for name, age in [("a" * 24 + ".parquet", 8), ("b" * 24 + ".parquet", 6), (".c.parquet.1.inprogress", 2)]:
+        (cache / name).write_bytes(b"an earlier run's")  # copies of other files, unused for `age` days
+        os.utime(cache / name, (days(age), days(age)))
     done = subprocess.run([sys.executable, "-m", "batchgen", "run", str(write_job(tmp_path, "out", texts[kind])),
                            "--quiet"], capture_output=True, text=True, timeout=900, env=os.environ.copy())
     assert done.returncode == 0, done.stderr[-3000:]
@@ -68,7 +75,20 @@ def test_a_text_input_gives_the_parquet_inputs_output(tmp_path, texts, kind, mon
     [file] = fingerprint["files"]
     assert file["path"] == str(texts[kind].resolve()) and file["format"] == kind.removesuffix(".gz")
     assert file["rows"] == 30 and file["size"] == texts[kind].stat().st_size
-    assert len(list((tmp_path / "cache" / "inputs").glob("*.parquet"))) == 1  # the copy, made once
+    copies = sorted(path.name for path in cache.iterdir())  # this input's copy, made once; the week-old ones swept
+    kept = "b" * 24 + ".parquet"
+    assert len(copies) == 2 and kept in copies and all(name.endswith(".parquet") for name in copies), copies
+
+
+def test_a_staged_copy_in_use_is_kept_and_one_unused_for_a_week_is_swept(tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"prompt": "hi"}\n')
+    first = stage(tmp_path / "t.jsonl", "jsonl", tmp_path, 100).path
+    week_ago = time.time() - 8 * 86400
+    os.utime(first, (week_ago, week_ago))
+    assert stage(tmp_path / "t.jsonl", "jsonl", tmp_path, 100).path == first  # used again: marked
+    assert sweep_staged(tmp_path) == [] and first.is_file()
+    assert sweep_staged(tmp_path, now=time.time() + 8 * 86400) == [first] and not first.exists()
+    assert sweep_staged(tmp_path / "absent") == []
 
 
 def test_lines_that_cannot_be_rows_are_their_rows_errors(tmp_path):

@@ -19,7 +19,7 @@ from batchgen.user_files import UserFileError, check_regular_file
 
 from ..config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
 from .parquet_read import InputFile, InputReadError, first_line, open_parquet, scan_file
-from .text_formats import INPUT_ERROR_COLUMN, SUFFIXES, InputFormatError, format_of, stage, suffixes
+from .text_formats import INPUT_ERROR_COLUMN, SUFFIXES, InputFormatError, format_of, stage, suffixes, sweep_staged
 
 
 @dataclass(frozen=True)
@@ -215,6 +215,7 @@ def stage_files(config: JobConfig, files: list[InputFile], fmt: str) -> list[Inp
             raise JobConfigError(f"input.path: {path} is not a readable {fmt} file: {exc}") from None
         except OSError as exc:
             raise JobConfigError(f"input.path: cannot read {path}: {exc.strerror or exc}") from None
+    sweep_staged(cache)
     return staged
 
 

@@ -10,7 +10,7 @@ it carries its error in the `_input_error` column, becomes that row's error, and
 Column types come from a first pass over the file: JSON strings, integers (floats where some are not), booleans,
 lists of strings, and chat messages ([{role, content}, ...]) keep their type; anything else is kept as its JSON text.
 A CSV cell is text, or an integer or float where every value of its column is one; an empty cell is null.
-Memory: one batch of rows (input.read_batch_rows) at a time, in both passes."""
+Memory: one batch of rows (input.read_batch_rows) at a time, in both passes. Copies unused for a week are swept."""
 from __future__ import annotations
 
 import csv
@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
@@ -38,6 +39,8 @@ SUFFIXES = {"parquet": (".parquet",), "jsonl": (".jsonl", ".jsonl.gz", ".ndjson"
             "csv": (".csv", ".csv.gz"), "openai-batch": (".jsonl", ".jsonl.gz")}
 STAGE_FORMAT = 2  # bump when a staged file's layout changes: older staged files are then made again
 ROW_GROUP_ROWS = 8192
+STAGED_KEEP_S = 7 * 86400  # a Parquet copy unused this long is removed (sweep_staged)
+SCRATCH_KEEP_S = 86400  # a copy still in progress after this long belongs to a run that died
 
 
 class InputFormatError(ValueError):
@@ -74,7 +77,9 @@ def stage(path: InputFile, fmt: str, cache_dir: Path, batch_rows: int) -> Staged
     target = cache_dir / f"{_cache_key(path, fmt)}.parquet"
     if target.is_file():
         try:
-            return StagedFile(target, pq.read_metadata(target).num_rows)
+            staged = StagedFile(target, pq.read_metadata(target).num_rows)
+            os.utime(target)  # its last use, for sweep_staged
+            return staged
         except Exception:  # a damaged copy: made again
             pass
     rows = Rows(fmt)
@@ -99,6 +104,25 @@ def stage(path: InputFile, fmt: str, cache_dir: Path, batch_rows: int) -> Staged
             count += len(batch)
     os.replace(scratch, target)
     return StagedFile(target, count)
+
+
+def sweep_staged(cache_dir: Path, now: float | None = None) -> list[Path]:
+    """Remove the Parquet copies not used for STAGED_KEEP_S (stage() marks each use) and the scratch files of
+    copies that were never finished; returns what went. The cache would otherwise keep a copy of every version
+    of every text input ever run. A copy still needed is made again from its file; a sweep that fails is no
+    failure of the job."""
+    now = time.time() if now is None else now
+    removed = []
+    for entry in cache_dir.iterdir() if cache_dir.is_dir() else ():
+        try:
+            age = now - entry.stat().st_mtime
+            if (entry.suffix == ".parquet" and age > STAGED_KEEP_S) or \
+                    (entry.name.endswith(".inprogress") and age > SCRATCH_KEEP_S):
+                entry.unlink()
+                removed.append(entry)
+        except OSError:
+            continue
+    return removed
 
 
 def _cache_key(path: InputFile, fmt: str) -> str:
