@@ -18,7 +18,8 @@ READ_PAGE = """(() => {
     charts[f.dataset.chart] = {empty: f.dataset.empty === '1', width: box.width, height: box.height,
       series: Array.from(f.querySelectorAll('[data-series]')).map(e => e.dataset.series),
       bars: Array.from(f.querySelectorAll('rect[data-series]')).map(e => e.nextElementSibling.textContent),
-      drawn: Array.from(f.querySelectorAll('path[data-series]')).filter(p => p.getTotalLength() > 0).length};
+      drawn: Array.from(f.querySelectorAll('path[data-series]')).filter(p => p.getTotalLength() > 0).length
+        + f.querySelectorAll('circle.lone').length};  // a series of one point is a dot
   }
   const health = {};
   for (const row of document.querySelectorAll('table.health tr')) {

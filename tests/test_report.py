@@ -68,10 +68,23 @@ def test_the_sample_jobs_report_draws_every_chart_from_its_output(sample):
     assert shown["charts"]["throughput"]["series"] == ["engine"]  # one engine lane; the job's lane draws progress
     assert shown["charts"]["progress"]["series"] == ["job"]
     assert shown["charts"]["errors"]["empty"]  # no error rows: said, not drawn
+    assert shown["charts"]["by_length"]["series"] == ["TTFT", "end to end"]
     assert [row[2] for row in shown["runs"]] == ["finished"]
     # _SUCCESS last; the side files' leading underscore keeps directory readers working
     assert (sample / "_SUCCESS").stat().st_mtime_ns >= (sample / "_report.html").stat().st_mtime_ns
     assert pq.read_table(sample).num_rows == pd.read_parquet(sample).shape[0] == 30
+
+
+def test_the_by_length_chart_is_the_median_of_each_prompt_length_bin(sample):
+    rows = ReportRows()
+    rows.add(pq.read_table(sample))
+    frame = pl.read_parquet(f"{sample}/*.parquet").with_columns(
+        bin=pl.col("prompt_tokens").log(2).floor().cast(pl.Int64))
+    expected = (frame.group_by("bin").agg(pl.col("prompt_tokens").median().alias("x"), pl.col("ttft_s").median(),
+                                          pl.len().alias("rows"))
+                .filter(pl.col("rows") >= 3).sort("bin"))
+    assert expected.height >= 1
+    assert rows.by_bins("ttft_s") == pytest.approx(list(zip(expected["x"], expected["ttft_s"], expected["rows"])))
 
 
 def test_the_timeline_follows_the_run(sample):

@@ -20,8 +20,8 @@ GENERATOR = SIDE_FILE_MARKS[REPORT]  # <meta name="generator" content="batchgen"
 LATENCY_TITLES = {"ttft_s": "Time to first token", "tpot_s": "Time per output token", "queue_s": "Queue time",
                   "e2e_s": "End to end"}
 # the charts, in page order (the Chromium test checks each is drawn)
-CHARTS = ("ttft", "tpot", "queue", "progress", "throughput", "batch", "kv", "preemptions", "prefix", "memory",
-          "errors")
+CHARTS = ("ttft", "tpot", "queue", "by_length", "progress", "throughput", "batch", "kv", "preemptions", "prefix",
+          "memory", "errors")
 
 
 @dataclass
@@ -168,7 +168,23 @@ def _latency_charts(outputs: list[ReportData], names: list[str]) -> list[str]:
                                  Axis("seconds", log=True, fmt=_log_label), Axis("rows", fmt=lambda v: f"{v:.0%}",
                                                                                  low=0, high=1),
                                  markers, note))
-    return charts
+    return charts + [_by_length_chart(outputs, names)]
+
+
+def _by_length_chart(outputs: list[ReportData], names: list[str]) -> str:
+    """For whom: the median TTFT (solid) and end-to-end time (dashed) of rows by their prompt's length."""
+    series = []
+    for label, o in zip(names, outputs):
+        for name, dashed in (("ttft_s", False), ("e2e_s", True)):
+            points = o.rows.by_bins(name)
+            if points:
+                what = "TTFT" if name == "ttft_s" else "end to end"
+                series.append(Series(f"{label} · {what}" if len(outputs) > 1 else what, [p[0] for p in points],
+                                     [p[1] for p in points], dashed=dashed))
+    return line_chart("by_length", "By prompt length: median TTFT and end-to-end time", series,
+                      Axis("prompt tokens (median of each power-of-two bin)", log=True, fmt=count),
+                      Axis("seconds", log=True, fmt=_log_label),
+                      note="Bins of fewer than 3 rows are left out.")
 
 
 def _cdf(label: str, values) -> Series:

@@ -72,6 +72,22 @@ class ReportRows:
         values = values[keep]
         return values[~np.isnan(values)]
 
+    def by_bins(self, name: str, by: str = "prompt_tokens", min_rows: int = 3) -> list[tuple[float, float, int]]:
+        """(median `by`, median `name`, rows) of the sampled rows that have both, in power-of-two bins of `by`
+        (1, 2-3, 4-7, ...); bins with fewer than `min_rows` rows are left out (a median of one row is noise)."""
+        if name not in self.sample or by not in self.sample:
+            return []
+        values, keys = self.sample[name], self.sample[by]
+        keep = self.sample["ok"] & ~np.isnan(values) & ~np.isnan(keys) & (keys >= 1)
+        values, keys = values[keep], keys[keep]
+        bins = np.floor(np.log2(keys)).astype(int) if keys.size else np.empty(0, dtype=int)
+        out = []
+        for b in np.unique(bins):
+            inside = bins == b
+            if inside.sum() >= min_rows:
+                out.append((float(np.median(keys[inside])), float(np.median(values[inside])), int(inside.sum())))
+        return out
+
     def replicas(self) -> list[int]:
         return sorted(int(r) for r in np.unique(self.sample["replica"])) if "replica" in self.sample else []
 

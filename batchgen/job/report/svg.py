@@ -91,7 +91,8 @@ def line_chart(chart_id: str, title: str, series: list[Series], x: Axis, y: Axis
         lone = [(px, py) for i, (px, py) in enumerate(zip(s.xs, s.ys)) if _drawn(px, py, x, y)
                 and not (i > 0 and _drawn(s.xs[i - 1], s.ys[i - 1], x, y))
                 and not (i + 1 < len(s.xs) and _drawn(s.xs[i + 1], s.ys[i + 1], x, y))]
-        parts += [f'<circle cx="{to_x(px):.1f}" cy="{to_y(py):.1f}" r="2.5" fill="{color}"/>' for px, py in lone]
+        parts += [f'<circle class="lone" cx="{to_x(px):.1f}" cy="{to_y(py):.1f}" r="2.5" fill="{color}"/>'
+                  for px, py in lone]
         dash = ' stroke-dasharray="5 3"' if s.dashed else ""
         parts.append(f'<path data-series="{escape(s.label)}" d="{" ".join(path)}" fill="none" stroke="{color}" '
                      f'stroke-width="1.8"{dash}/>')
