@@ -255,3 +255,16 @@ def test_penalties_match_transformers_and_survive_preemption(tiny_llama_dir):
                            ignore_eos=True)
     assert [r.token_ids for r in run(make_engine(tiny_llama_dir), prompts, mixed)] == \
         [r.token_ids for r in run(tight, prompts, mixed)]
+
+
+def test_max_tokens_none_generates_until_the_context_ends(tiny_llama_dir):
+    """max_tokens None (OpenAI's and vLLM's requests without it): every sequence runs to max_model_len, whatever its
+    prompt's length, and frees its blocks."""
+    engine = make_engine(tiny_llama_dir, max_model_len=48)
+    prompts = [[5] * 3, [7] * 20, [9] * 47]
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True, min_tokens=1)
+    params.validate()
+    results = run(engine, prompts, params)
+    assert [len(r.token_ids) for r in results] == [45, 28, 1]
+    assert all(r.finish_reason == "length" for r in results)
+    assert_no_leak(engine)

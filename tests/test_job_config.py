@@ -117,6 +117,14 @@ def test_override_creates_missing_section(tmp_path):
     assert config.sampling.max_tokens == 8
 
 
+def test_max_tokens_null_is_until_the_context_ends(tmp_path):
+    config = load_job(write(tmp_path, MINIMAL), ["sampling.max_tokens=null"])
+    assert config.sampling.max_tokens is None and config.sampling.params().max_tokens is None
+    assert config.sampling.params(max_tokens=7).max_tokens == 7  # a row's own value still counts
+    with pytest.raises(JobConfigError, match="sampling.max_tokens: max_tokens must be at least 1"):
+        load_job(write(tmp_path, MINIMAL), ["sampling.max_tokens=0"])
+
+
 @pytest.mark.parametrize("item, fragment", [
     ("engine.max_num_seqs", "expected KEY=VALUE"),
     ("=3", "expected KEY=VALUE"),

@@ -117,6 +117,31 @@ def test_batchgen_report_reads_an_openai_batch_output_back_to_the_same_page(answ
     assert redrawn.split("<footer>")[0] == drawn.split("<footer>")[0]
 
 
+def test_a_request_without_max_tokens_generates_until_the_context_ends(tmp_path):
+    """As OpenAI's and vLLM's endpoints: no max_tokens is the rest of the context (here engine.max_model_len 64),
+    not the job default of 256; and plan bounds such a row's output by its context."""
+    requests = chat_requests(2, temperature=0)
+    for request in requests:
+        del request["body"]["max_tokens"]
+        request["body"]["messages"][0]["content"] = "Write a long story about a lighthouse keeper."
+    write_lines(tmp_path / "requests.jsonl", requests)
+    done = batchgen("run-batch", "-i", str(tmp_path / "requests.jsonl"), "-o", str(tmp_path / "results.jsonl"),
+                    "--set", "dtype=float32", "--set", "engine.max_model_len=64")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in lines(tmp_path / "results.jsonl"):
+        body = line["response"]["body"]
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["total_tokens"] == 64, body
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"model": "default", "input": {"path": str(tmp_path / "requests.jsonl"),
+                                                                 "format": "openai-batch"},
+                                   "sampling": {"max_tokens": None}, "engine": {"max_model_len": 64},
+                                   "output": {"path": str(tmp_path / "out")}}))
+    planned = batchgen("plan", str(job))
+    prompts = [line["response"]["body"]["usage"]["prompt_tokens"] for line in lines(tmp_path / "results.jsonl")]
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert f"output tokens: at most {sum(64 - p for p in prompts):,} " in planned.stdout, planned.stdout
+
+
 @pytest.mark.slow
 def test_run_batch_killed_and_resumed_answers_every_custom_id_once(tmp_path):
     requests = write_lines(tmp_path / "requests.jsonl", chat_requests(16))

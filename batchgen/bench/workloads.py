@@ -267,6 +267,9 @@ def job_workload(job_path: str | Path, tokenizer: Any, num_rows: int | None = No
         if source_row.error is not None:
             skipped += 1
             continue
+        if source_row.sampling.max_tokens is None:
+            raise ValueError(f"{job_path}: the bench replays rows of a set length; sampling.max_tokens is null "
+                             f"(until the context ends) in row {source_row.row}")
         max_tokens = scaled(source_row.sampling.max_tokens, max_tokens_scale)
         rows.append(BenchRow(source_row.row, source_row.token_ids, max_tokens, "job"))
     workload = Workload(f"job:{Path(job_path).name}", config.model, rows,

@@ -43,7 +43,7 @@ class OutputProcessor:
                 return "stop"
             if stop_string is not None:
                 return "stop"
-        if num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

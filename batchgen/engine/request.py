@@ -16,7 +16,7 @@ CONSTRAINT_KEYS = ("choice", "regex", "json_schema", "grammar")
 class SamplingParams:
     """Per-request sampling settings, with vLLM's names and meanings."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the context ends (max_model_len), as OpenAI's endpoints without it
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) = off
@@ -65,9 +65,10 @@ class SamplingParams:
             if not ok:
                 raise SettingError(name, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
 
-        num("max_tokens", self.max_tokens, int)
-        if self.max_tokens < 1:
-            raise SettingError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None:
+            num("max_tokens", self.max_tokens, int)
+            if self.max_tokens < 1:
+                raise SettingError("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         num("temperature", self.temperature, float)
         if self.temperature < 0:
             raise SettingError("temperature", f"temperature must be >= 0, got {self.temperature}")
@@ -91,7 +92,7 @@ class SamplingParams:
         if self.seed is not None:
             num("seed", self.seed, int)
         num("min_tokens", self.min_tokens, int)
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (math.inf if self.max_tokens is None else self.max_tokens):
             raise SettingError("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise SettingError("stop", f"stop must be a list of non-empty strings, got {self.stop!r}")

@@ -14,8 +14,9 @@ from .keys import JobConfigError
 from .output.sink import FINAL_PART
 
 WORK_SUFFIX = ".batchgen"
-# As OpenAI's and vLLM's endpoints: a request without a temperature samples at 1.0 (batchgen's jobs default to 0).
-RUN_BATCH_SAMPLING = {"temperature": 1.0}
+# As OpenAI's and vLLM's endpoints: a request without a temperature samples at 1.0, and one without max_tokens
+# generates until it stops or the context ends (batchgen's jobs default to 0 and 256).
+RUN_BATCH_SAMPLING = {"temperature": 1.0, "max_tokens": None}
 
 
 def batch_job(requests: str, results: str, model: str) -> dict[str, Any]:

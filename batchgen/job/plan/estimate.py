@@ -257,7 +257,7 @@ def sample_tokens(config: JobConfig, inputs: InputFiles, tokenizer, context: int
     firsts = sorted(ok, key=lambda row: row.row)[:3]
     examples = [(row, tokenizer.decode(row.token_ids, skip_special_tokens=False)) for row in firsts]
     lengths = CandidateLengths(tokenizer)
-    shapes = [row_tokens(len(row.token_ids), row.sampling, lengths, config.engine.block_size) for row in ok]
+    shapes = [row_tokens(len(row.token_ids), row.sampling, lengths, config.engine.block_size, context) for row in ok]
     return TokenStats(
         sampled=sampled, errors=sorted((row for row in rows if row.error is not None), key=lambda row: row.row),
         prompt=sorted(len(row.token_ids) for row in ok),
@@ -285,15 +285,18 @@ class RowTokens:
     candidates: int  # how many (0 without `choice`)
 
 
-def row_tokens(prompt: int, sampling, candidate_lengths: CandidateLengths, block_size: int) -> RowTokens:
-    """A row of n samples: prompt + n x max_tokens (their blocks counted as one sequence's). A `choice` row: a
+def row_tokens(prompt: int, sampling, candidate_lengths: CandidateLengths, block_size: int,
+               context: int) -> RowTokens:
+    """A row of n samples: prompt + n x max_tokens (their blocks counted as one sequence's), where a sample's
+    max_tokens is at most what the context leaves (all of it without max_tokens). A `choice` row: a
     PREFIX (the prompt but its last token) whose forks each compute the last prompt token and one candidate and
     score its end; a fork shares the PREFIX's full blocks, so its own are the rest: a copy of the PREFIX's partial
     last block and the candidate's."""
     if not sampling.choice:
-        output = sampling.n * sampling.max_tokens
-        return RowTokens(prompt, prompt + output, prompt + sampling.max_tokens, -(-(prompt + output) // block_size),
-                         0, 0)
+        each = max(0, context - prompt) if sampling.max_tokens is None else \
+            max(0, min(sampling.max_tokens, context - prompt))
+        output = sampling.n * each
+        return RowTokens(prompt, prompt + output, prompt + each, -(-(prompt + output) // block_size), 0, 0)
     lengths = candidate_lengths(sampling.choice)
     scored = sum(lengths) + len(lengths)
     blocks = sum(-(-(prompt + n) // block_size) for n in lengths)
