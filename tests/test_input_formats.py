@@ -93,7 +93,8 @@ def test_a_staged_copy_in_use_is_kept_and_one_unused_for_a_week_is_swept(tmp_pat
 
 def test_lines_that_cannot_be_rows_are_their_rows_errors(tmp_path):
     lines = ['{"id": 1, "prompt": "Say hi."}', "not json at all", "", "[1, 2]",
-             '{"id": 4, "prompt": "Say bye.", "max_tokens": 3}', '{"id": 5}']
+             '{"id": 4, "prompt": "Say bye.", "max_tokens": 3}', '{"id": 5}',
+             '{"id": 6, "prompt": "Say yes.", "max_tokens": "ten"}']  # a stray kind in a number column: its row
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "in.csv").write_text('id,prompt\n1,Say hi.\n2,"two",extra\n3,"Say ""bye"",\nplease."\n')
     for name in ("in.jsonl", "in.csv"):
@@ -101,9 +102,10 @@ def test_lines_that_cannot_be_rows_are_their_rows_errors(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     rows = output(tmp_path / "in.jsonl.out").select("id", "finish_reason", "error", "output_tokens").to_dicts()
     assert [(r["id"], r["finish_reason"] == "error") for r in rows] == [(1, False), (None, True), (None, True),
-                                                                         (4, False), (5, True)]  # blank line: no row
+                                                                         (4, False), (5, True), (6, True)]  # blank: none
     assert rows[1]["error"].startswith("line 2 is not JSON: ") and rows[2]["error"] == "line 4 is not a JSON object"
     assert rows[3]["output_tokens"] == 3 and rows[4]["error"] == "prompt is null (column 'prompt')"
+    assert rows[5]["error"] == 'max_tokens is "ten", not a number'  # the column stays int64: the other rows run
     rows = output(tmp_path / "in.csv.out").select("id", "finish_reason", "error").to_dicts()
     assert [r["finish_reason"] == "error" for r in rows] == [False, True, False]
     assert rows[1]["error"] == "line 3 has 3 fields, the header 2" and rows[2]["id"] == 3  # a quoted newline

@@ -210,7 +210,7 @@ def stage_files(config: JobConfig, files: list[InputFile], fmt: str) -> list[Inp
     staged = []
     for path in files:
         try:
-            staged.append(stage(path, fmt, cache, config.input.read_batch_rows).path)
+            staged.append(stage(path, fmt, cache, config.input.read_batch_rows, NUMBER_KEYS).path)
         except InputFormatError as exc:
             raise JobConfigError(f"input.path: {path} is not a readable {fmt} file: {exc}") from None
         except OSError as exc:
@@ -332,6 +332,7 @@ def _is_messages(arrow_type: pa.DataType) -> bool:
 
 _ROW_SAMPLING_KINDS = _row_sampling_kinds()
 _KIND_CHECKS = {"numbers": _is_number, "strings": _is_text, "a list of strings": _is_text_list}
+NUMBER_KEYS = tuple(key for key, kind in _ROW_SAMPLING_KINDS.items() if kind == "numbers")  # text inputs: stage()
 
 
 def scan_input(config: JobConfig, inputs: InputFiles) -> None:

@@ -37,7 +37,7 @@ from .staged_columns import INPUT_ERROR_COLUMN, MESSAGES_TYPE
 FORMATS = ("parquet", "jsonl", "csv", "openai-batch")
 SUFFIXES = {"parquet": (".parquet",), "jsonl": (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz"),
             "csv": (".csv", ".csv.gz"), "openai-batch": (".jsonl", ".jsonl.gz")}
-STAGE_FORMAT = 2  # bump when a staged file's layout changes: older staged files are then made again
+STAGE_FORMAT = 3  # bump when a staged file's layout changes: older staged files are then made again
 ROW_GROUP_ROWS = 8192
 STAGED_KEEP_S = 7 * 86400  # a Parquet copy unused this long is removed (sweep_staged)
 SCRATCH_KEEP_S = 86400  # a copy still in progress after this long belongs to a run that died
@@ -71,10 +71,11 @@ class StagedFile:
     rows: int
 
 
-def stage(path: InputFile, fmt: str, cache_dir: Path, batch_rows: int) -> StagedFile:
+def stage(path: InputFile, fmt: str, cache_dir: Path, batch_rows: int, numbers: tuple[str, ...] = ()) -> StagedFile:
     """The Parquet copy of a text input file, made now unless the cache holds it (same file: path, size,
-    modification time or ETag)."""
-    target = cache_dir / f"{_cache_key(path, fmt)}.parquet"
+    modification time or ETag). `numbers`: columns that must hold numbers (the per-row sampling keys), where a
+    value of another kind among numbers is its row's error rather than turning the column into text."""
+    target = cache_dir / f"{_cache_key(path, fmt, numbers)}.parquet"
     if target.is_file():
         try:
             staged = StagedFile(target, pq.read_metadata(target).num_rows)
@@ -82,7 +83,7 @@ def stage(path: InputFile, fmt: str, cache_dir: Path, batch_rows: int) -> Staged
             return staged
         except Exception:  # a damaged copy: made again
             pass
-    rows = Rows(fmt)
+    rows = Rows(fmt, numbers)
     if fmt == "openai-batch":
         schema = BATCH_SCHEMA
     else:
@@ -125,13 +126,13 @@ def sweep_staged(cache_dir: Path, now: float | None = None) -> list[Path]:
     return removed
 
 
-def _cache_key(path: InputFile, fmt: str) -> str:
+def _cache_key(path: InputFile, fmt: str, numbers: tuple[str, ...]) -> str:
     if isinstance(path, RemoteFile):
         identity = f"{path.url}\0{path.size}\0{path.etag}"
     else:
         stat = Path(path).stat()
         identity = f"{Path(path).resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    return hashlib.sha256(f"{STAGE_FORMAT}\0{fmt}\0{identity}".encode()).hexdigest()[:24]
+    return hashlib.sha256(f"{STAGE_FORMAT}\0{fmt}\0{identity}\0{sorted(numbers)}".encode()).hexdigest()[:24]
 
 
 # -- records: each line (CSV record) as {column: value}, or {INPUT_ERROR_COLUMN: why} ---------------------------------
@@ -208,8 +209,9 @@ def _csv_records(text: IO[str]) -> Iterator[dict[str, Any]]:
 class Rows:
     """What the first pass learns of each column (the kinds of its values), and how the second writes them."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, numbers: tuple[str, ...] = ()) -> None:
         self.csv = fmt == "csv"
+        self.numbers = numbers
         self.kinds: dict[str, set[str]] = {}
 
     def observe(self, record: dict[str, Any]) -> None:
@@ -217,16 +219,37 @@ class Rows:
             self.kinds.setdefault(name, set()).add(_csv_kind(value) if self.csv else _json_kind(value))
 
     def schema(self) -> pa.Schema:
-        fields = [pa.field(name, _arrow_type(kinds - {"null"})) for name, kinds in self.kinds.items()
-                  if name != INPUT_ERROR_COLUMN]
+        fields = [pa.field(name, _arrow_type(self._number_kinds(name, kinds) - {"null"}))
+                  for name, kinds in self.kinds.items() if name != INPUT_ERROR_COLUMN]
         return pa.schema(fields + [pa.field(INPUT_ERROR_COLUMN, pa.string())])
 
+    def _number_kinds(self, name: str, kinds: set[str]) -> set[str]:
+        """A numbers column's kinds without the stray ones (their rows' errors), where it holds numbers at all."""
+        numeric = kinds & {"int", "float"}
+        return numeric if name in self.numbers and numeric else kinds
+
     def table(self, batch: list[dict], schema: pa.Schema) -> pa.Table:
+        numeric = [f.name for f in schema if f.name in self.numbers and pa.types.is_integer(f.type) or
+                   f.name in self.numbers and pa.types.is_floating(f.type)]
+        if numeric:
+            batch = [self._checked(record, numeric) for record in batch]
         columns = {}
         for field in schema:
             values = [record.get(field.name) for record in batch]
             columns[field.name] = pa.array([_as(value, field.type, self.csv) for value in values], field.type)
         return pa.table(columns, schema=schema)
+
+
+    def _checked(self, record: dict[str, Any], numeric: list[str]) -> dict[str, Any]:
+        """The record with a non-number in a numbers column taken out, and said in its row's error."""
+        kind = _csv_kind if self.csv else _json_kind
+        stray = [name for name in numeric if kind(record.get(name)) not in ("int", "float", "null")]
+        if not stray:
+            return record
+        error = record.get(INPUT_ERROR_COLUMN) or "; ".join(
+            f"{name} is {record[name] if self.csv else json.dumps(record[name], ensure_ascii=False)[:80]}, "
+            f"not a number" for name in stray)
+        return {**record, **{name: None for name in stray}, INPUT_ERROR_COLUMN: error}
 
 
 def _json_kind(value: Any) -> str:
