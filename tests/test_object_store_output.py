@@ -171,7 +171,7 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 600) -> None:
 
 @pytest.mark.slow
 def test_kill_9_at_random_points_and_during_the_final_rewrite_loses_and_repeats_nothing(tmp_path, s3):
-    """12 kills of the same job: after random delays, after run parts were committed, once the final parts are being
+    """9 kills of the same job: after random delays, after run parts were committed, once the final parts are being
     written, once the manifest is; each re-run first waits out the killed run's lease. Batch-invariant arithmetic, so
     that a resumed row's text must equal the uninterrupted run's exactly."""
     invariant = {**SAMPLE["engine"], "max_num_seqs": 2, "batch_invariant": True}
@@ -187,7 +187,7 @@ def test_kill_9_at_random_points_and_during_the_final_rewrite_loses_and_repeats_
     job = write_job(tmp_path, "killed", f"s3://{BUCKET}/killed", storage={"endpoint_url": proxy.endpoint},
                     engine=invariant, output=parts, sampling={**SAMPLE["sampling"], "max_tokens": 24})
     rng = random.Random(26)
-    points = ["delay"] * 6 + ["parts"] * 3 + ["final parts"] * 2 + ["manifest"]
+    points = ["delay"] * 4 + ["parts"] * 2 + ["final parts"] * 2 + ["manifest"]
     kinds_seen = []
     for point in points:
         proc = subprocess.Popen([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"], env=s3.env(),
@@ -214,7 +214,7 @@ def test_kill_9_at_random_points_and_during_the_final_rewrite_loses_and_repeats_
     final = batchgen("run", job, s3.env(), "--quiet")
     proxy.stop()
     assert final.returncode == 0, final.stderr[-3000:]
-    assert len(kinds_seen) >= 10, kinds_seen
+    assert len(kinds_seen) >= 7, kinds_seen
     assert any("part" in kinds for _, kinds in kinds_seen), kinds_seen  # killed with final parts written
     assert any("_PLAN" in kinds for _, kinds in kinds_seen), kinds_seen  # killed with the manifest written
     got = read(s3, "killed")
