@@ -229,8 +229,8 @@ class Rows:
         return numeric if name in self.numbers and numeric else kinds
 
     def table(self, batch: list[dict], schema: pa.Schema) -> pa.Table:
-        numeric = [f.name for f in schema if f.name in self.numbers and pa.types.is_integer(f.type) or
-                   f.name in self.numbers and pa.types.is_floating(f.type)]
+        numeric = [f.name for f in schema
+                   if f.name in self.numbers and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))]
         if numeric:
             batch = [self._checked(record, numeric) for record in batch]
         columns = {}
