@@ -1,6 +1,6 @@
 """`batchgen run JOB.yaml`: exit 0 when the output is complete, 2 for a problem with the job found before the model
 loads (one line naming the key, file or column), 1 for a failure while running (committed rows stay committed),
-130 when interrupted. A failure's last stderr line is `batchgen: error: ...`; its traceback only with --debug."""
+75 while another run writes the output (retry later), 130 when interrupted; then one `batchgen: error:` line."""
 from __future__ import annotations
 
 import importlib
@@ -16,7 +16,9 @@ from typing import Any, Callable, Iterator
 import click
 
 import batchgen
-from batchgen.failures import EXIT_INTERRUPTED, EXIT_JOB, EXIT_OK, EXIT_RUNTIME, fail
+from batchgen.failures import EXIT_BUSY, EXIT_INTERRUPTED, EXIT_JOB, EXIT_OK, EXIT_RUNTIME, fail
+from batchgen.redaction import redact, redact_log_records
+from batchgen.versions import print_version
 
 
 
@@ -68,9 +70,11 @@ class BatchgenGroup(click.Group):
 
 
 @click.group(cls=BatchgenGroup)
-@click.version_option(batchgen.__version__, prog_name="batchgen")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=print_version,
+              help="Show batchgen's version and those of the libraries it runs on, and exit.")
 def main() -> None:
     """batchgen: offline batch generation for LLMs (Parquet in, Parquet out)."""
+    redact_log_records()  # no credential in any log line, a library's included
 
 
 def run_options(command: Callable) -> Callable:
@@ -171,8 +175,8 @@ def run_job(load: Callable[[tuple[str, ...]], Any], overwrite: bool, executor: s
             prepared = prepare_job(load(extra), overwrite=overwrite)
             prepared.cost_per_hour = cost_per_hour
             if prepared.complete is not None:
-                message = (f"{prepared.out.path} is already complete ({prepared.complete.get('rows', 0)} rows); "
-                           f"nothing to do (--overwrite runs it again)")
+                message = redact(f"{prepared.out.path} is already complete ({prepared.complete.get('rows', 0)} "
+                                 f"rows); nothing to do (--overwrite runs it again)")
                 click.echo(json.dumps({"level": "info", "logger": "batchgen", "message": message}) if as_json
                            else f"batchgen: {message}", err=True)
                 return prepared.complete
@@ -186,7 +190,7 @@ def run_job(load: Callable[[tuple[str, ...]], Any], overwrite: bool, executor: s
     if not quiet and as_json:
         logging.getLogger("batchgen.cli").info("done", extra={"summary": summary})
     elif not quiet:
-        click.echo(summary_table(summary, str(prepared.out.path)), err=True)
+        click.echo(redact(summary_table(summary, str(prepared.out.path))), err=True)
     if metrics is not None:
         metrics.close(finished=True)  # after the summary: lingering, it serves the final values
     return summary
@@ -259,11 +263,11 @@ def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int
             made = make_plan(load_job(job, overrides), overwrite, sample_rows, cost_per_hour, Path(archive))
     finally:
         signal.signal(signal.SIGTERM, previous)
-    click.echo(format_plan(made, job))
+    click.echo(redact(format_plan(made, job)))
     for warning in made.warnings:
-        click.echo(f"batchgen: warning: {warning}", err=True)
+        click.echo(redact(f"batchgen: warning: {warning}"), err=True)
     for problem in made.problems:
-        click.echo(f"batchgen: error: {problem}", err=True)
+        click.echo(redact(f"batchgen: error: {problem}"), err=True)
     sys.exit(EXIT_JOB if made.problems else EXIT_OK)
 
 
@@ -280,7 +284,7 @@ def status(output: str, as_json: bool, debug: bool) -> None:
     logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
     with reported_failures(debug, resumable=False, as_json=as_json):
         found = output_status(output)
-    click.echo(json.dumps(found) if as_json else format_status(found))
+    click.echo(redact(json.dumps(found) if as_json else format_status(found)))
 
 
 @main.command()
@@ -298,22 +302,22 @@ def report(outputs: tuple[str, ...], target: str | None, debug: bool) -> None:
     logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
     with reported_failures(debug, resumable=False):
         written = write_report(list(outputs), target)
-    click.echo(written)
+    click.echo(redact(written))
 
 
 @contextmanager
 def reported_failures(debug: bool, before_exit: Callable[[], None] = lambda: None,
                       resumable: bool = True, as_json: bool = False) -> Iterator[None]:
     """Every failure inside as its exit code and one last stderr line (a traceback before it only with --debug):
-    a problem with the job 2, an interrupt 130, anything else a runtime failure, 1. `resumable`: the failure
-    happened in a run, whose committed rows a re-run keeps (not in a plan, which writes nothing)."""
-    from batchgen.job import JobConfigError
+    a problem with the job 2, an output another run is writing 75, an interrupt 130, anything else 1. `resumable`:
+    the failure happened in a run, whose committed rows a re-run keeps (not in a plan, which writes nothing)."""
+    from batchgen.job import JobConfigError, OutputBusy
 
     try:
         yield
     except JobConfigError as exc:
         before_exit()
-        fail(EXIT_JOB, str(exc), debug, as_json)
+        fail(EXIT_BUSY if isinstance(exc, OutputBusy) else EXIT_JOB, str(exc), debug, as_json)
     except KeyboardInterrupt:
         before_exit()
         fail(EXIT_INTERRUPTED, "interrupted; finished rows are committed, re-run the same command to resume"
@@ -378,17 +382,17 @@ def _mib(n: int) -> str:
 
 
 def summary_table(s: dict, path: str) -> str:
-    hit, e = s["prefix_cache_hit_rate"], s.get("engine_stats") or {}
+    from batchgen.job.runner import prompt_tokens_line
     resumed = f" (this run: {s['rows_this_run']})" if s.get("resumed") else ""
     samples = f"; {s['output_rows']:,} output rows (samples)" if s.get("output_rows", s["rows"]) != s["rows"] else ""
     lines = [
         ("rows", f"{s['rows']:,}{resumed}: {s['rows_ok']:,} ok, {s['rows_error']:,} error{samples}"),
-        ("prompt tokens", f"{s['prompt_tokens']:,} ({s['cached_tokens']:,} from the prefix cache, {hit:.1%})"),
+        ("prompt tokens", prompt_tokens_line(s)),
         ("output tokens", f"{s['output_tokens']:,} ({s['output_tokens_per_s']:,.1f} tok/s this run)"),
         ("wall time", f"{s['wall_s']:.1f} s"),
         ("preemptions", f"{s['preemptions']:,}"),
         *([("dtype", s["dtype_reason"])] if s.get("dtype_reason") else []),
-        *([("attention", e["attention_backend_reason"])] if e.get("attention_backend_reason") else []),
+        *([("attention", why)] if (why := (s.get("engine_stats") or {}).get("attention_backend_reason")) else []),
         *memory_lines(s),
         ("output", f"{path}  ({_reader_hint(s, path)})"),
     ]

@@ -7,11 +7,12 @@ Why obstore (scripts/object_store_bench.py, docs/object-storage.md): it is the o
 If-None-Match; replace only the version read, If-Match), it wrote parts fastest, and it reads row groups by range.
 
 Credentials and endpoints come from the standard places: the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-AWS_SESSION_TOKEN, AWS_REGION / AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, web identity), the
-AWS profile (AWS_PROFILE in ~/.aws/credentials and ~/.aws/config: static keys, region, endpoint_url), the
-instance's or container's metadata service; the job's `storage:` section sets what a pipeline sets per job (endpoint,
-region, anonymous access, addressing style). No message batchgen writes holds a credential: `redact` removes the
-environment's from any text that reaches an error or a log.
+AWS_SESSION_TOKEN, AWS_REGION / AWS_DEFAULT_REGION, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL), else the AWS SDKs'
+credential chain (aws_credentials.py: the profile AWS_PROFILE names, with its region and endpoint_url; assume-role,
+credential_process, SSO, web identity, the container's or instance's metadata service); the job's `storage:` section
+sets what a pipeline sets per job (endpoint, region, anonymous access, addressing style). No message batchgen writes
+holds a credential: `redact` (redaction.py) removes them, and URLs' userinfo and secret query parameters, from any
+text that reaches an error or a log.
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
+from batchgen.aws_credentials import aws_profile, credential_provider
+from batchgen.redaction import redact, remember_url
+
 SCHEMES = ("s3://", "gs://", "az://")
-SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "GOOGLE_SERVICE_ACCOUNT_KEY",
-                    "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_KEY")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,15 @@ class StoreError(Exception):
 
 
 class ObjectNotFound(StoreError):
-    """No object (or bucket) at the path."""
+    """No object at the path."""
+
+
+class BucketNotFound(StoreError):
+    """The bucket a URL names does not exist: a problem with the job (the job layer names its key; exit 2)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.bucket = url, split_url(url)[1]
+        super().__init__(f"the bucket {self.bucket} does not exist ({url})")
 
 
 def is_remote(path: str) -> bool:
@@ -60,39 +70,6 @@ def obstore_missing(key: str, url: str) -> str | None:
         return None
     return (f"{key}: {url} needs obstore, which is not installed: pip install -e \".[s3]\" in batchgen's checkout "
             f"(scripts/setup.sh installs it)")
-
-
-def redact(text: str) -> str:
-    """`text` with every credential the environment or the AWS profile holds replaced by ***."""
-    profile = aws_profile()
-    for value in [os.environ.get(name) for name in SECRET_VARIABLES] + [profile.get(key) for key in PROFILE_SECRETS]:
-        if value and len(value) >= 4:
-            text = text.replace(value, "***")
-    return text
-
-
-PROFILE_SECRETS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
-
-
-def aws_profile() -> dict[str, str]:
-    """The AWS SDKs' shared files for the profile AWS_PROFILE (else `default`): its keys from the config file
-    (AWS_CONFIG_FILE, else ~/.aws/config: region, endpoint_url) and the credentials file (AWS_SHARED_CREDENTIALS_FILE,
-    else ~/.aws/credentials), the latter winning. Empty where there are none."""
-    import configparser
-
-    name = os.environ.get("AWS_PROFILE") or "default"
-    found: dict[str, str] = {}
-    for path, section in ((os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config",
-                           name if name == "default" else f"profile {name}"),
-                          (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials", name)):
-        parser = configparser.RawConfigParser()
-        try:
-            parser.read(os.path.expanduser(path))
-        except (configparser.Error, OSError, UnicodeDecodeError):
-            continue
-        if parser.has_section(section):
-            found.update(parser.items(section))
-    return found
 
 
 def split_url(url: str) -> tuple[str, str, str]:
@@ -155,15 +132,12 @@ def make_store(url: str, storage: StorageConfig) -> Any:
         return GCSStore(bucket, client_options=client, retry_config=retry)
     if scheme == "az://":
         return AzureStore(bucket, client_options=client, retry_config=retry)
-    profile = {} if os.environ.get("AWS_ACCESS_KEY_ID") else aws_profile()  # the environment's keys come first
+    env_keys = bool(os.environ.get("AWS_ACCESS_KEY_ID"))  # the environment's keys come first, read by obstore
+    profile = {} if env_keys else aws_profile()
     endpoint = storage.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") \
         or profile.get("endpoint_url")
+    remember_url(endpoint)
     config: dict[str, Any] = {}
-    if profile.get("aws_access_key_id") and not storage.anonymous:
-        config.update(access_key_id=profile["aws_access_key_id"],
-                      secret_access_key=profile.get("aws_secret_access_key", ""))
-        if profile.get("aws_session_token"):
-            config["session_token"] = profile["aws_session_token"]
     if endpoint:
         config["endpoint"] = endpoint
         client["allow_http"] = endpoint.startswith("http://")
@@ -175,7 +149,16 @@ def make_store(url: str, storage: StorageConfig) -> Any:
         config["skip_signature"] = True
     style = storage.addressing_style if storage.addressing_style != "auto" else "path" if endpoint else "virtual"
     config["virtual_hosted_style_request"] = style == "virtual"
-    return S3Store(bucket, config=config, client_options=client, retry_config=retry)
+    provider = None if env_keys or storage.anonymous else chain_provider()
+    return S3Store(bucket, config=config, client_options=client, retry_config=retry, credential_provider=provider)
+
+
+def chain_provider() -> Any:
+    """The AWS credential chain's provider (aws_credentials.py), a profile it cannot use being a StoreError."""
+    try:
+        return credential_provider()
+    except Exception as exc:
+        raise StoreError(f"AWS credentials: {redact(' '.join(str(exc).split()))[:400]}") from None
 
 
 def list_input(path: str, storage: StorageConfig, names: tuple[str, ...] = (".parquet",)) -> list[RemoteFile]:
@@ -242,14 +225,24 @@ def glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
 
 
 def is_not_found(exc: BaseException) -> bool:
-    return isinstance(exc, FileNotFoundError) or type(exc).__name__ == "NotFoundError"
+    """No object at the key (a missing bucket is not that: store_error names it)."""
+    return (isinstance(exc, FileNotFoundError) or type(exc).__name__ == "NotFoundError") \
+        and not is_missing_bucket(exc)
+
+
+def is_missing_bucket(exc: BaseException) -> bool:
+    """S3's NoSuchBucket, which obstore reports as a missing object (a GET, a PUT) or a generic error (a listing);
+    a HEAD's answer has no body to tell it by."""
+    return "<Code>NoSuchBucket</Code>" in str(exc)
 
 
 def store_error(exc: BaseException, url: str) -> StoreError:
     """One line naming the object and what the store said, credentials removed."""
     text = redact(" ".join(str(exc).split()).split(" Debug source:")[0])  # obstore appends its debug dump
+    if is_missing_bucket(exc):
+        return BucketNotFound(url)
     if is_not_found(exc):
-        return ObjectNotFound(f"{url}: no such object or bucket")
+        return ObjectNotFound(f"{url}: no such object")
     return StoreError(f"{url}: the object store failed after its retries: {text[:400]}")
 
 

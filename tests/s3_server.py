@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 # Planted, never real: a test greps every output file and log line for them.
 ACCESS_KEY = "AKIAPLANTEDTESTKEY7Q"
@@ -43,10 +44,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_s3_server(port: int | None = None) -> S3Server:
+def start_s3_server(port: int | None = None, env: dict[str, str] | None = None) -> S3Server:
+    """moto's server on `port` (a free one by default), with `env` added to its environment."""
     port = port or free_port()
     process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -60,11 +62,24 @@ def start_s3_server(port: int | None = None) -> S3Server:
     raise RuntimeError("moto's S3 server did not start within 60 s")
 
 
+def start_s3_server_holding(files: dict[str, Path], buckets: tuple[str, ...] = ()) -> S3Server:
+    """A server whose buckets hold `files` ("bucket/key": local file), plus the empty `buckets`."""
+    server = start_s3_server()
+    client = server.client()
+    for bucket in dict.fromkeys([*(where.split("/", 1)[0] for where in files), *buckets]):
+        client.create_bucket(Bucket=bucket)
+    for where, path in files.items():
+        bucket, key = where.split("/", 1)
+        client.upload_file(str(path), bucket, key)
+    return server
+
+
 class ThrottlingProxy:
     """An HTTP proxy in front of an S3 server that answers the first `throttled` requests (every one: None) with
     503 SlowDown, as S3 does under load, and forwards the rest. Stopped, it is a store that cannot be reached (whose
     objects are kept: another proxy on the same port brings it back). A PUT whose key contains one of `slow_puts`
-    waits `put_delay_s` before it is forwarded: a write that lasts long enough for a test to act in it."""
+    waits `put_delay_s` before it is forwarded: a write that lasts long enough for a test to act in it. A request
+    that arrives before `stall_until` (time.monotonic()) hangs until then and gets a 503: a store that stalls."""
 
     def __init__(self, upstream: str, throttled: int | None, port: int = 0, slow_puts: tuple[str, ...] = (),
                  put_delay_s: float = 0.0) -> None:
@@ -75,6 +90,7 @@ class ThrottlingProxy:
 
         proxy = self
         self.throttled, self.requests = throttled, 0
+        self.stall_until = 0.0
         self.access_keys: set[str] = set()  # the access key ids requests were signed with
         host, upstream_port = upstream.removeprefix("http://").split(":")
 
@@ -89,7 +105,10 @@ class ThrottlingProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.command == "PUT" and any(mark in self.path for mark in slow_puts):
                     time.sleep(put_delay_s)
-                if proxy.throttled is None or proxy.requests <= proxy.throttled:
+                stalled = proxy.stall_until - time.monotonic()
+                if stalled > 0:
+                    time.sleep(stalled)
+                if stalled > 0 or proxy.throttled is None or proxy.requests <= proxy.throttled:
                     reply = (b"<?xml version=\"1.0\"?><Error><Code>SlowDown</Code>"
                              b"<Message>Please reduce your request rate.</Message></Error>")
                     self.send_response(503)

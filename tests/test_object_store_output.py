@@ -2,7 +2,7 @@
 S3-protocol server (moto's, started here on 127.0.0.1, which implements If-None-Match and If-Match), the sample job
 from and to s3:// equals the local run, leaving only the final parts and _SUCCESS; `kill -9` at random points and
 during the final rewrite, then the same command, gives every row once with the uninterrupted run's texts; two runs
-at once: the second exits 2; a killed run's lease is taken over once stale; the store unreachable mid-run is exit 1
+at once: the second exits 75; a lease from another host is taken over once stale; the store unreachable mid-run is exit 1
 naming it and the run resumes once it is back; Ray replicas read from and the driver writes to the store with no
 directory shared between them; no credential in any object or log line."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ import yaml
 
 from ray_processes import processes_under
 from report_pages import render_report
-from s3_server import ACCESS_KEY, SECRET_KEY, ThrottlingProxy, free_port, start_s3_server
+from s3_server import ACCESS_KEY, SECRET_KEY, ThrottlingProxy, free_port, start_s3_server_holding
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = yaml.safe_load((ROOT / "jobs" / "sample.yaml").read_text())
@@ -35,11 +35,7 @@ BUCKET = "outputs"
 
 @pytest.fixture(scope="module")
 def s3():
-    server = start_s3_server()
-    client = server.client()
-    for bucket in ("inputs", BUCKET):
-        client.create_bucket(Bucket=bucket)
-    client.upload_file(str(PROMPTS), "inputs", "sample/prompts.parquet")
+    server = start_s3_server_holding({"inputs/sample/prompts.parquet": PROMPTS}, (BUCKET,))
     yield server
     server.stop()
 
@@ -130,8 +126,10 @@ def test_refusals_name_the_object(tmp_path, s3):
     assert inside.returncode == 2 and "is inside the input" in inside.stderr, inside.stderr
 
 
-def test_two_runs_at_once_the_second_exits_2_and_a_killed_runs_lease_is_taken_over_once_stale(tmp_path, s3, local):
-    """read() checks that only the final parts are left: the planted duplicate part was deleted, not read."""
+def test_two_runs_at_once_the_second_exits_75_and_a_killed_runs_lease_is_taken_over_once_stale(tmp_path, s3, local):
+    """read() checks that only the final parts are left: the planted duplicate part was deleted, not read. The
+    killed run's lease is made another host's (on its own host a re-run takes it over at once:
+    test_object_store_isolation.py), whose death no re-run here can see."""
     # a ttl a re-run's start-up (imports, checks) stays well inside on a loaded machine
     job = write_job(tmp_path, "twice", f"s3://{BUCKET}/twice", storage={"lease_ttl_s": 12},
                     engine={**SAMPLE["engine"], "max_num_seqs": 2})
@@ -139,20 +137,22 @@ def test_two_runs_at_once_the_second_exits_2_and_a_killed_runs_lease_is_taken_ov
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: "_LEASE" in names(s3, "twice"), first)
     second = batchgen("run", job, s3.env(), "--quiet")
-    assert second.returncode == 2, second.stderr[-3000:]
+    assert second.returncode == 75, second.stderr[-3000:]
     assert f"output.path: another batchgen run is writing s3://{BUCKET}/twice" in second.stderr
     assert f"pid {first.pid}" in second.stderr
     wait_for(lambda: any(n.startswith("run-") for n in names(s3, "twice")), first)
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
-    killed = time.monotonic()
     assert "_LEASE" in names(s3, "twice")  # a killed run cannot release it
+    lease = {**json.loads(objects(s3, "twice")["_LEASE"]), "host": "another-host"}
+    s3.client().put_object(Bucket=BUCKET, Key="twice/_LEASE", Body=json.dumps(lease).encode())
+    killed = time.monotonic()
     # what a run that lost its lease could still put: a part repeating committed rows, which must not count twice
     first_part = next(n for n in names(s3, "twice") if n.startswith("run-"))
     s3.client().copy_object(Bucket=BUCKET, Key="twice/run-99999-0123456789ab.parquet",
                             CopySource={"Bucket": BUCKET, "Key": f"twice/{first_part}"})
     refused = batchgen("run", job, s3.env(), "--quiet")
-    assert refused.returncode == 2 and "its lease goes stale" in refused.stderr, refused.stderr[-3000:]
+    assert refused.returncode == 75 and "its lease goes stale" in refused.stderr, refused.stderr[-3000:]
     time.sleep(max(0.0, killed + 12.5 - time.monotonic()))  # storage.lease_ttl_s
     taken = batchgen("run", job, s3.env())
     assert taken.returncode == 0, taken.stderr[-3000:]

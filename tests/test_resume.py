@@ -208,7 +208,7 @@ def test_one_run_per_output_at_a_time(tmp_path):
     holder = prepare_job(load_job(job))  # holds the output's lock, as a running job would
     try:
         result = CliRunner().invoke(main, ["run", str(job)])
-        assert result.exit_code == 2 and "another batchgen run is writing" in result.stderr
+        assert result.exit_code == 75 and "another batchgen run is writing" in result.stderr
     finally:
         holder.release()
 

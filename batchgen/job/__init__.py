@@ -10,5 +10,6 @@
     plan/                `batchgen plan`: what a run would do, without running it
 """
 from .config import JobConfig, JobConfigError, load_job, parse_job
+from .keys import OutputBusy
 from .prepare import PreparedJob, prepare_job
 from .runner import Progress, execute_job

@@ -23,6 +23,7 @@ from batchgen.engine.request import CONSTRAINT_KEYS, SamplingParams
 from batchgen.engine.structured import check_constraint
 
 from batchgen.object_store import StorageConfig
+from batchgen.redaction import redact
 from batchgen.user_files import SCHEMA_FILE_LIMIT, UserFileError, read_user_text
 
 from .job_file import read_job_file
@@ -147,12 +148,18 @@ class JobConfig:
         return self.engine.device
 
     def to_dict(self) -> dict[str, Any]:
-        """The job file's keys with plain JSON-able values (tuples become lists)."""
+        """The job file's keys with plain JSON-able values (tuples become lists), as _SUCCESS and the report show
+        them: the keys that may hold a URL (and so a credential: http://user:password@host) redacted."""
         engine = dataclasses.asdict(self.engine)
         top = {key: engine.pop(key) for key in TOP_LEVEL_KEYS}
-        return plain({"input": dataclasses.asdict(self.input), "output": dataclasses.asdict(self.output), **top,
-                      "sampling": dataclasses.asdict(self.sampling), "engine": engine,
-                      "executor": dataclasses.asdict(self.executor), "storage": dataclasses.asdict(self.storage)})
+        found = plain({"input": dataclasses.asdict(self.input), "output": dataclasses.asdict(self.output), **top,
+                       "sampling": dataclasses.asdict(self.sampling), "engine": engine,
+                       "executor": dataclasses.asdict(self.executor), "storage": dataclasses.asdict(self.storage)})
+        for keys, key in ((found["input"], "path"), (found["output"], "path"), (found["storage"], "endpoint_url"),
+                          (found["executor"], "address"), (found, "model")):
+            if isinstance(keys[key], str):
+                keys[key] = redact(keys[key])
+        return found
 
 
 # engine.sort is the deprecated spelling of input.sort.

@@ -14,6 +14,11 @@ class JobConfigError(ValueError):
     model loads. The message is one line and names the key, file or column."""
 
 
+class OutputBusy(JobConfigError):
+    """Another run is writing the output (it holds the local lock or a live lease): not a problem with the job,
+    so the command exits 75 (EX_TEMPFAIL), retry later, rather than 2."""
+
+
 # Bounds on a job's values as they would be written out. YAML aliases repeat what they refer to: a few hundred
 # bytes of chained aliases expand to billions of items once written as JSON (sampling.json_schema) or walked;
 # and a structure nested hundreds deep overflows the recursion of every reader after this one.

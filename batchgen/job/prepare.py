@@ -21,6 +21,8 @@ from batchgen.machine import available_memory
 from batchgen.object_store import RemoteFile, StorageConfig, is_remote, obstore_missing
 
 from .config import JobConfig, JobConfigError
+from .keys import OutputBusy
+from .missing_bucket import bucket_must_exist
 from .input.files import InputFiles, inspect_input
 from .output.object_output import ObjectOutput, check_output_at, open_output
 from .output.resume import describe_changes, input_identity, output_errors
@@ -86,7 +88,8 @@ def inspect_job(config: JobConfig, no_download_because: str | None = None) -> Pr
     """The read-only checks that need no model (`batchgen plan` runs them too): input files and columns, model
     location, device and memory (the engine settings were validated with the job). A hub model absent from the HF
     cache is downloaded, unless `no_download_because` says why not."""
-    inputs = inspect_input(config)
+    with bucket_must_exist("input.path", config.input.path):
+        inputs = inspect_input(config)
     check_executor(config)
     model = check_model(config.model, no_download_because, chat_template=config.input.chat_template is True,
                         storage=config.storage)
@@ -129,7 +132,8 @@ def check_model(ref: str, no_download_because: str | None = None, chat_template:
             if missing:
                 raise JobConfigError(missing)
             from batchgen.models.object_model import fetch_model
-            ref = str(fetch_model(ref, storage))  # downloaded once into the cache, then the directory it is
+            with bucket_must_exist("model", ref):
+                ref = str(fetch_model(ref, storage))  # downloaded once into the cache, then the directory it is
         path = locate_model(ref, no_download_because)
         templated = has_chat_template(path) if chat_template else False
         identity = model_id(ref, path)
@@ -214,8 +218,9 @@ def take_output(job: PreparedJob, overwrite: bool) -> None:
         job.lock_fd = lock_output(job.out)
     try:
         job.complete = check_output_at(job.out, job.fingerprint, overwrite, job.run_schema)
-        if job.complete is not None and isinstance(job.out, OutputDir):  # finished by the run that held the lock
-            shutil.rmtree(job.out.tmp, ignore_errors=True)  # while locked, so that no other run holds this lock
+        if job.complete is not None:  # finished by the run that held the lock (or lease)
+            if isinstance(job.out, OutputDir):
+                shutil.rmtree(job.out.tmp, ignore_errors=True)  # while locked, so that no other run holds this lock
             job.release()
             return
         if overwrite:
@@ -271,7 +276,9 @@ def _locked_file(out: OutputDir) -> int:
                 return fd
         except BlockingIOError:
             os.close(fd)
-            raise JobConfigError(f"output.path: another batchgen run is writing {out.path}") from None
+            holder = lock_holder(out)
+            raise OutputBusy(f"output.path: another batchgen run is writing {out.path}"
+                             f"{'' if holder is None else f' (pid {holder})'}; retry once it has finished") from None
         except BaseException:
             os.close(fd)
             raise

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable
 
-import batchgen
 from batchgen.engine import Result
 from batchgen.engine.process_memory import peak_rss_bytes
 
@@ -192,6 +190,7 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
     peak = max(engine_stats.get("peak_memory_bytes", 0), peak_rss_bytes())
     dtype = resolved_dtype(job.config)
     from batchgen.machine import machine_info
+    from batchgen.versions import library_versions
     summary = {
         "rows": totals.rows,
         "output_rows": totals.output_rows,
@@ -200,6 +199,7 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
         "prompt_tokens": totals.prompt_tokens,
         "output_tokens": totals.output_tokens,
         "cached_tokens": totals.cached_tokens,
+        "generated_prompt_tokens": totals.generated_prompt_tokens,  # what prefix_cache_hit_rate is a share of
         "prefix_cache_hit_rate": totals.cached_tokens / totals.generated_prompt_tokens
         if totals.generated_prompt_tokens else 0.0,
         "preemptions": totals.preemptions,
@@ -220,8 +220,7 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
         "engine_stats": engine_stats,
         "job": job.config.to_dict(),
         "fingerprint": job.fingerprint,
-        "versions": {"batchgen": batchgen.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
+        "versions": library_versions(),
         "machine": machine_info(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -229,3 +228,14 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
     if run.replicas is not None:  # a Ray run: what each replica did (its rows, tokens, wall time and engine)
         summary["replicas"] = run.replicas
     return summary
+
+
+def prompt_tokens_line(summary: dict) -> str:
+    """The summary's prompt tokens, and the prefix cache's share of those of the rows generated: an error row's
+    prompt tokens (a prompt too long for the context) were never the prefix cache's to serve."""
+    total = summary["prompt_tokens"]
+    generated = summary.get("generated_prompt_tokens", total)  # a _SUCCESS written before it was kept
+    cached = f"{summary['cached_tokens']:,} from the prefix cache, {summary['prefix_cache_hit_rate']:.1%}"
+    if generated == total:
+        return f"{total:,} ({cached})"
+    return f"{generated:,} of the rows generated ({cached}), {total - generated:,} of error rows"

@@ -10,7 +10,9 @@ from typing import Any
 from batchgen.object_store import StorageConfig
 
 from .config import JobConfigError
-from .output.object_output import ObjectOutput, live_lease, open_output
+from .missing_bucket import bucket_must_exist
+from .output.lease import holder_text
+from .output.object_output import ObjectOutput, live_holder, open_output
 from .output.sink import FINGERPRINT_KEY, OutputDir, PartFile, part_metadata
 
 RATE_COMMITS = 10  # the rate is measured over the last this many commits
@@ -18,14 +20,22 @@ RATE_COMMITS = 10  # the rate is measured over the last this many commits
 
 def output_status(path: str, storage: StorageConfig = StorageConfig()) -> dict[str, Any]:
     """{state: finished | running | finishing | stopped, rows_done, rows_total, rows_per_s, eta_s, holder, ...}."""
-    out = open_output(path, storage)
+    with bucket_must_exist("output", path):
+        return _status(open_output(path, storage), path)
+
+
+def _status(out: OutputDir | ObjectOutput, path: str) -> dict[str, Any]:
     success = out.success()
     if success is not None and "fingerprint" in success:
         return {"output": str(out.path), "state": "finished", "rows_done": success.get("rows"),
                 "rows_total": success.get("rows"), "wall_s": success.get("wall_s"),
                 "finished_at": success.get("finished_at"), "holder": None, "rows_per_s": None, "eta_s": None}
+    foreign = out.foreign_names() if out.pending_rewrite() is None else []  # a rewrite's JSON-lines parts: its own
+    if foreign:
+        raise JobConfigError(f"output: {path} holds files batchgen did not write ({', '.join(foreign[:3])}): it is "
+                             f"not a batchgen output")
     holder = _holder(out)
-    commits = sorted((_commit_time(part), part) for part in out.run_parts())
+    commits = sorted(((_commit_time(part), part) for part in out.run_parts()), key=lambda commit: commit[0])
     if not commits and holder is None and out.pending_rewrite() is None:
         raise JobConfigError(f"output: {path} holds no batchgen output (no run parts, no _SUCCESS, no run writing it)")
     fingerprint, n = {}, 1
@@ -49,7 +59,8 @@ def output_status(path: str, storage: StorageConfig = StorageConfig()) -> dict[s
 
 def _holder(out: OutputDir | ObjectOutput) -> str | None:
     if isinstance(out, ObjectOutput):
-        return live_lease(out)
+        holder = live_holder(out)
+        return None if holder is None else holder_text(holder)
     from .prepare import lock_holder
 
     pid = lock_holder(out)

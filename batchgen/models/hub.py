@@ -95,26 +95,59 @@ def hub_snapshot(hub: HubId, no_download_because: str | None = None) -> Path:
             text = str(exc).strip().splitlines()
             reason = f"downloading it failed ({type(exc).__name__}{': ' + text[0] if text else ''})"
     if snapshot is not None:
-        raise ModelNotFoundError(f"{str(hub)!r} is incomplete in the Hugging Face cache ({problem}); {reason}")
+        raise ModelNotFoundError(f"{str(hub)!r} {problem}; {reason}")
     looked = cache / repo_folder_name(repo_id=hub.repo_id, repo_type="model")
     raise ModelNotFoundError(f"{str(hub)!r} not found: no such local path, and not in the Hugging Face cache "
                              f"(looked in {looked}, {setting}); {reason}")
 
 
 def cached_snapshot(hub: HubId, cache: Path) -> tuple[Path | None, str | None]:
-    """(the snapshot directory, None) when the cache holds a complete one; else (it or None, what is wrong)."""
+    """(the snapshot directory, None) when the cache holds a complete one; else (it or None, what is wrong with it:
+    incomplete or damaged)."""
     from huggingface_hub import try_to_load_from_cache
 
     config = try_to_load_from_cache(hub.repo_id, "config.json", cache_dir=cache, revision=hub.revision)
+    snapshot = Path(config).parent if isinstance(config, str) else snapshot_dir(hub, cache)
+    damage = dangling_link(snapshot) if snapshot is not None else None
+    if damage is not None:
+        link, target = damage
+        return snapshot, (f"is damaged in the Hugging Face cache: {link} links to {target}, which does not exist "
+                          f"(a download cut short, or a blob deleted); delete {snapshot} and download it again")
     if not isinstance(config, str):  # None, or huggingface_hub's marker of a file known not to exist
         return None, "not in the cache"
-    snapshot = Path(config).parent
     try:
         if not weight_files(snapshot):
-            return snapshot, f"{snapshot} has no *.safetensors weights"
+            return snapshot, f"is incomplete in the Hugging Face cache ({snapshot} has no *.safetensors weights)"
     except ModelError as exc:
-        return snapshot, str(exc)
+        return snapshot, f"is incomplete in the Hugging Face cache ({exc})"
     return snapshot, None
+
+
+def snapshot_dir(hub: HubId, cache: Path) -> Path | None:
+    """The snapshot directory `hub`'s revision names (refs/<revision> holds a branch's or tag's commit), where it
+    exists."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    repo = cache / repo_folder_name(repo_id=hub.repo_id, repo_type="model")
+    revision = hub.revision or "main"
+    try:
+        ref = repo / "refs" / revision
+        commit = ref.read_text().strip() if ref.is_file() else revision
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if "/" not in commit and snapshot.is_dir() else None
+
+
+def dangling_link(snapshot: Path) -> tuple[Path, str] | None:
+    """A file of the snapshot that is a link to a blob that is not there: (the link, its target), or None."""
+    try:
+        for entry in sorted(snapshot.rglob("*")):
+            if entry.is_symlink() and not entry.exists():
+                return entry, os.readlink(entry)
+    except OSError:
+        return None
+    return None
 
 
 def download_snapshot(hub: HubId, cache: Path) -> Path:
@@ -129,5 +162,5 @@ def download_snapshot(hub: HubId, cache: Path) -> Path:
     snapshot = Path(snapshot_download(hub.repo_id, revision=snapshot.name, cache_dir=cache, allow_patterns=shards))
     _, problem = cached_snapshot(HubId(hub.repo_id, snapshot.name), cache)
     if problem is not None:
-        raise ModelError(f"the download left {snapshot} incomplete: {problem}")
+        raise ModelError(f"after the download to {snapshot}, {str(hub)!r} {problem}")
     return snapshot

@@ -18,6 +18,7 @@ from batchgen.object_store import (ObjectNotFound, RemoteFile, StorageConfig, gl
 from batchgen.user_files import UserFileError, check_regular_file
 
 from ..config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
+from .custom_ids import DuplicateCustomId, check_unique_custom_ids
 from .parquet_read import InputFile, InputReadError, first_line, open_parquet, scan_file
 from .text_formats import INPUT_ERROR_COLUMN, SUFFIXES, InputFormatError, format_of, stage, suffixes, sweep_staged
 
@@ -216,6 +217,11 @@ def stage_files(config: JobConfig, files: list[InputFile], fmt: str) -> list[Inp
         except OSError as exc:
             raise JobConfigError(f"input.path: cannot read {path}: {exc.strerror or exc}") from None
     sweep_staged(cache)
+    if fmt == "openai-batch":
+        try:
+            check_unique_custom_ids(files, staged)
+        except DuplicateCustomId as exc:
+            raise JobConfigError(f"input.path: {files[0] if len(files) == 1 else config.input.path}: {exc}") from None
     return staged
 
 

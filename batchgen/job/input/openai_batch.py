@@ -45,14 +45,16 @@ class BatchEndpoint:
     def __init__(self) -> None:
         self.url: str | None = None
 
-    def row(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The request as a row's values; a request that cannot be served has only its custom_id and its error."""
+    def row(self, request: dict[str, Any], line: int | None = None) -> dict[str, Any]:
+        """The request as a row's values; a request that cannot be served has only its custom_id and its error
+        (naming its `line` of the file, where given)."""
         custom_id = request.get("custom_id")
-        row: dict[str, Any] = {"custom_id": custom_id if isinstance(custom_id, str) else None,
+        row: dict[str, Any] = {"custom_id": custom_id_text(custom_id),
                                "url": request.get("url") if isinstance(request.get("url"), str) else None}
         try:
             if not isinstance(custom_id, str) or not custom_id:
-                raise Unsupported("custom_id must be a non-empty string")
+                raise Unsupported("custom_id must be a non-empty string" +
+                                  (f", got {row['custom_id']}" if custom_id not in (None, "") else ""))
             url, body = request.get("url"), request.get("body")
             if request.get("method", "POST") != "POST":
                 raise Unsupported(f"method must be POST, got {request.get('method')!r}")
@@ -66,8 +68,17 @@ class BatchEndpoint:
                 raise Unsupported("body must be a JSON object")
             row.update(body_values(body, url))
         except Unsupported as exc:
-            return {"custom_id": row["custom_id"], "url": row["url"], INPUT_ERROR_COLUMN: str(exc)}
+            where = f"line {line}: " if line is not None else ""
+            return {"custom_id": row["custom_id"], "url": row["url"], INPUT_ERROR_COLUMN: f"{where}{exc}"}
         return row
+
+
+def custom_id_text(value: Any) -> str | None:
+    """A request's custom_id as its output line carries it: a string as it is, any other value as its JSON text
+    (`17` is "17"), so that the line of a request refused for it can still be found."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
 
 
 def body_values(body: dict[str, Any], url: str) -> dict[str, Any]:

@@ -47,6 +47,10 @@ class RowError(ValueError):
     """Why one row cannot be generated; becomes that row's `error`."""
 
 
+# More characters a token than any real text averages: a prompt longer than this many characters a token of its
+# context cannot fit it, and is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 32
+
 # The roles a messages column may use: what chat templates know.
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
@@ -187,7 +191,7 @@ class PromptBuilder:
             keep = tuple(values[c] for c in self.keep_columns)
             try:
                 sampling = self.row_sampling(values)
-                prompts.append(self.prompt_text(values))
+                prompts.append(self.checked_size(self.prompt_text(values)))
                 rows.append(SourceRow(position, ident, keep, None, sampling))
             except (RowError, SpecialTokenError) as exc:
                 rows.append(SourceRow(position, ident, keep, None, None, error=str(exc)))
@@ -218,6 +222,15 @@ class PromptBuilder:
             row.token_ids = ids
         if row.error:
             row.sampling = None
+
+    def checked_size(self, prompt: PromptText) -> PromptText:
+        """The prompt, unless it has more characters than its context could hold in tokens: then that row's error,
+        before the tokenizer sees it (a 10 MB prompt's tokens alone take far more memory than the run's bound)."""
+        if self.max_model_len is not None and len(prompt.text) > self.max_model_len * MAX_CHARS_PER_TOKEN:
+            raise RowError(f"prompt is {len(prompt.text):,} characters, more than the context of "
+                           f"{self.max_model_len:,} tokens could hold (at most {MAX_CHARS_PER_TOKEN} characters a "
+                           f"token); it was not tokenized")
+        return prompt
 
     def prompt_text(self, values: dict[str, Any]) -> PromptText:
         if self.is_raw(values):

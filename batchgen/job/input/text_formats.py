@@ -3,9 +3,10 @@ once into a Parquet file in batchgen's cache (BATCHGEN_CACHE_DIR/inputs) that th
 (the checks, the scan, resume by row position, `plan`, Ray windows by range). The job's fingerprint keeps the
 original file's identity, not the staged copy's.
 
-Each non-blank line (a CSV record) is one row, in file order. A line that cannot be a row (not JSON, not an object,
-a CSV record with another number of fields than the header, a batch request batchgen cannot serve) is still a row:
-it carries its error in the `_input_error` column, becomes that row's error, and the other rows run.
+Each non-blank line (a CSV record) is one row, in file order. A line that cannot be a row (bytes that are not UTF-8,
+not JSON, not an object, a CSV record with another number of fields than the header, a batch request batchgen cannot
+serve) is still a row: it carries its error, naming its line, in the `_input_error` column, becomes that row's error,
+and the other rows run. Each line is decoded on its own (text_lines.py), so a bad byte is one line's problem.
 
 Column types come from a first pass over the file: JSON strings, integers (floats where some are not), booleans,
 lists of strings, and chat messages ([{role, content}, ...]) keep their type; anything else is kept as its JSON text.
@@ -14,15 +15,13 @@ Memory: one batch of rows (input.read_batch_rows) at a time, in both passes. Cop
 from __future__ import annotations
 
 import csv
-import gzip
 import hashlib
-import io
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -33,11 +32,12 @@ from .openai_batch import SCHEMA as BATCH_SCHEMA
 from .openai_batch import BatchEndpoint
 from .parquet_read import InputFile
 from .staged_columns import INPUT_ERROR_COLUMN, MESSAGES_TYPE
+from .text_lines import Line, numbered_lines
 
 FORMATS = ("parquet", "jsonl", "csv", "openai-batch")
 SUFFIXES = {"parquet": (".parquet",), "jsonl": (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz"),
             "csv": (".csv", ".csv.gz"), "openai-batch": (".jsonl", ".jsonl.gz")}
-STAGE_FORMAT = 3  # bump when a staged file's layout changes: older staged files are then made again
+STAGE_FORMAT = 4  # bump when a staged file's layout changes: older staged files are then made again
 ROW_GROUP_ROWS = 8192
 STAGED_KEEP_S = 7 * 86400  # a Parquet copy unused this long is removed (sweep_staged)
 SCRATCH_KEEP_S = 86400  # a copy still in progress after this long belongs to a run that died
@@ -138,55 +138,54 @@ def _cache_key(path: InputFile, fmt: str, numbers: tuple[str, ...]) -> str:
 # -- records: each line (CSV record) as {column: value}, or {INPUT_ERROR_COLUMN: why} ---------------------------------
 
 def records(path: InputFile, fmt: str) -> Iterator[dict[str, Any]]:
-    with _open_text(path) as text:
-        if fmt == "csv":
-            yield from _csv_records(text)
-        elif fmt == "openai-batch":
-            yield from _jsonl_records(text, BatchEndpoint().row)
-        else:
-            yield from _jsonl_records(text, None)
+    lines = numbered_lines(path)
+    if fmt == "csv":
+        yield from _csv_records(lines)
+    elif fmt == "openai-batch":
+        yield from _jsonl_records(lines, BatchEndpoint().row)
+    else:
+        yield from _jsonl_records(lines, None)
 
 
-def _open_text(path: InputFile) -> IO[str]:
-    raw = path.open() if isinstance(path, RemoteFile) else open(path, "rb")
-    if str(path).lower().endswith(".gz"):
-        raw = gzip.GzipFile(fileobj=raw)
-    # utf-8-sig: a byte-order mark (spreadsheets write one before a CSV's header) is not part of the first name
-    return io.TextIOWrapper(io.BufferedReader(raw) if not isinstance(raw, io.BufferedIOBase) else raw,
-                            encoding="utf-8-sig", errors="strict", newline="")
-
-
-def _jsonl_records(text: IO[str], convert: Callable[[dict], dict] | None) -> Iterator[dict[str, Any]]:
-    number = 0
-    while True:
-        try:
-            line = text.readline()
-        except UnicodeDecodeError as exc:
-            raise InputFormatError(f"line {number + 1} is not UTF-8 ({exc.reason})") from None
-        if not line:
-            return
-        number += 1
-        if not line.strip():
+def _jsonl_records(lines: Iterator[Line], convert: Callable[[dict, int], dict] | None) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if not line.text.strip():
             continue
         try:
-            value = json.loads(line)
+            value = json.loads(line.text)
         except ValueError as exc:
-            yield {INPUT_ERROR_COLUMN: f"line {number} is not JSON: {exc}"}
+            yield {INPUT_ERROR_COLUMN: _not_utf8(line) or f"line {line.number} is not JSON: {exc}"}
             continue
         if not isinstance(value, dict):
-            yield {INPUT_ERROR_COLUMN: f"line {number} is not a JSON object"}
+            yield {INPUT_ERROR_COLUMN: _not_utf8(line) or f"line {line.number} is not a JSON object"}
             continue
         if INPUT_ERROR_COLUMN in value:
             value = {k: v for k, v in value.items() if k != INPUT_ERROR_COLUMN}
-        yield convert(value) if convert is not None else value
+        record = convert(value, line.number) if convert is not None else value
+        # A line with bytes that are not UTF-8 is its row's error; its values (the id, a custom_id) still name the row
+        yield {**record, INPUT_ERROR_COLUMN: _not_utf8(line)} if line.not_utf8 else record
 
 
-def _csv_records(text: IO[str]) -> Iterator[dict[str, Any]]:
-    reader = csv.reader(text)
+def _not_utf8(line: Line) -> str | None:
+    return f"line {line.number} is not UTF-8 ({line.not_utf8})" if line.not_utf8 else None
+
+
+def _csv_records(lines: Iterator[Line]) -> Iterator[dict[str, Any]]:
+    not_utf8: dict[int, Line] = {}  # the lines read but not yet part of a record, that are not UTF-8
+
+    def texts() -> Iterator[str]:
+        for line in lines:
+            if line.not_utf8:
+                not_utf8[line.number] = line
+            yield line.text
+
+    reader = csv.reader(texts())
     try:
         header = next(reader, None)
-    except (csv.Error, UnicodeDecodeError) as exc:
+    except csv.Error as exc:
         raise InputFormatError(f"its header cannot be read ({exc})") from None
+    if not_utf8:
+        raise InputFormatError(f"its header is not UTF-8 ({_not_utf8(next(iter(not_utf8.values())))})")
     if not header or len(set(header)) != len(header) or any(not name for name in header):
         raise InputFormatError("its first line must be a header naming every column once")
     while True:
@@ -194,14 +193,18 @@ def _csv_records(text: IO[str]) -> Iterator[dict[str, Any]]:
             fields = next(reader)
         except StopIteration:
             return
-        except (csv.Error, UnicodeDecodeError) as exc:
+        except csv.Error as exc:
             raise InputFormatError(f"line {reader.line_num} cannot be read ({exc})") from None
         if not fields:
             continue
         if len(fields) != len(header):
-            yield {INPUT_ERROR_COLUMN: f"line {reader.line_num} has {len(fields)} fields, the header {len(header)}"}
-            continue
-        yield {name: value if value != "" else None for name, value in zip(header, fields)}
+            yield {INPUT_ERROR_COLUMN: _not_utf8(not_utf8[min(not_utf8)]) if not_utf8 else
+                   f"line {reader.line_num} has {len(fields)} fields, the header {len(header)}"}
+        else:
+            record = {name: value if value != "" else None for name, value in zip(header, fields)}
+            # a record (a quoted field may span lines) holding such a line is its row's error; its id still names it
+            yield {**record, INPUT_ERROR_COLUMN: _not_utf8(not_utf8[min(not_utf8)])} if not_utf8 else record
+        not_utf8.clear()
 
 
 # -- columns and their types ------------------------------------------------------------------------------------------

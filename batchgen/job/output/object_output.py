@@ -33,13 +33,15 @@ from batchgen.object_store import (RemoteFile, StorageConfig, is_not_found, is_r
 
 from .final_formats import FinalFormat
 from .final_rewrite import FinalReport, RowTotals, ordered_tables, report_html
-from .lease import LEASE, Lease, describe, read_lease
+from .lease import LEASE, Lease, busy_message, holder_is_gone, read_lease
+from .object_location import check_object_location
 from .resume import check_output, check_run_parts, refuse_changes, stored_fingerprint
 from .schema import ROW_COLUMN
 from .sink import (FINAL_PART, FINGERPRINT_KEY, OBJECT_RUN_PART, REPORT, REWRITE_MANIFEST, RUN_PART_ROW_GROUP,
                    SIDE_FILE_MARKS, SUCCESS, DamagedFileError, OutputDir, is_side_file, read_part, read_part_schema,
                    run_part_rows)
 from ..config import JobConfigError
+from ..missing_bucket import bucket_must_exist
 
 
 class ObjectOutput:
@@ -240,7 +242,14 @@ def check_output_at(out: OutputDir | ObjectOutput, fingerprint: dict[str, Any], 
     """resume.check_output's refusals, for either kind of output: the _SUCCESS summary when this job finished."""
     if isinstance(out, OutputDir):
         return check_output(out, fingerprint, overwrite, run_schema)
+    with bucket_must_exist("output.path", out.url):
+        return _check_objects(out, fingerprint, overwrite, run_schema)
+
+
+def _check_objects(out: ObjectOutput, fingerprint: dict[str, Any], overwrite: bool,
+                   run_schema: pa.Schema | None) -> dict | None:
     where = f"output.path: {out.url}"
+    check_object_location(out, out.listing())
     foreign = out.foreign_names()
     if foreign:
         raise JobConfigError(f"{where} holds objects batchgen did not write ({', '.join(foreign[:3])}); "
@@ -257,12 +266,18 @@ def check_output_at(out: OutputDir | ObjectOutput, fingerprint: dict[str, Any], 
     return None
 
 
+def live_holder(out: ObjectOutput) -> dict | None:
+    """The lease's holder (lease.read_lease) if a run would find it live: fresh, and its holder not gone."""
+    holder = read_lease(out.store, out.prefix + LEASE, out.root + out.prefix + LEASE)
+    if holder is None or holder["age_s"] >= holder["ttl_s"] or holder_is_gone(holder):
+        return None
+    return holder
+
+
 def live_lease(out: ObjectOutput) -> str | None:
     """For `batchgen plan`: the message run would stop with if a live lease is there (None otherwise)."""
-    holder = read_lease(out.store, out.prefix + LEASE, out.root + out.prefix + LEASE)
-    if holder is None or holder["age_s"] >= holder["ttl_s"]:
-        return None
-    return f"output.path: another batchgen run is writing {out.url} ({describe(holder)})"
+    holder = live_holder(out)
+    return None if holder is None else busy_message(out.url, holder)
 
 
 def finalize_objects(out: ObjectOutput, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
