@@ -5,7 +5,7 @@
 #   dev/try_versions.sh floors [PYTEST ARGS...]   the lowest versions of batchgen's own dependencies that it admits
 # It prints each package whose version differs from requirements-lock.txt, then runs the tests (default: the fast
 # subset, -m "not slow"). Not part of CI: run it on purpose before dev/lock.sh moves the lock forward.
-# torch stays at scripts/setup.sh's version in both: it is the CPU build this machine holds.
+# floors keeps torch at scripts/setup.sh's version; newest takes the newest torch the machine's pip constraints admit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:?usage: dev/try_versions.sh newest|floors [pytest args...]}; shift

@@ -43,7 +43,8 @@ MANIFEST_NAME = "manifest.json"
 # -fopenmp: at::parallel_for is a header template that runs serially unless compiled with OpenMP; the library
 # then links libgomp.so.1, the one torch has already loaded. -fno-math-errno lets the rounding in exp vectorize.
 # BATCHGEN_CPU_MARCH replaces -march=native: x86-64-v3 builds what an AVX2-only CPU gets (tests, measurements).
-FLAGS = ["-O3", f"-march={os.environ.get('BATCHGEN_CPU_MARCH') or 'native'}", "-fno-math-errno", "-std=c++17",
+# -std=c++20: torch 2.14's headers use C++20 concepts (`requires`); earlier torch compiles the same under it.
+FLAGS = ["-O3", f"-march={os.environ.get('BATCHGEN_CPU_MARCH') or 'native'}", "-fno-math-errno", "-std=c++20",
          "-fPIC", "-shared", "-fopenmp"]
 
 
