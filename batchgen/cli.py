@@ -15,7 +15,6 @@ from typing import Any, Callable, Iterator
 
 import click
 
-import batchgen
 from batchgen.failures import EXIT_BUSY, EXIT_INTERRUPTED, EXIT_JOB, EXIT_OK, EXIT_RUNTIME, fail
 from batchgen.redaction import redact, redact_log_records
 from batchgen.versions import print_version
@@ -190,15 +189,11 @@ def run_job(load: Callable[[tuple[str, ...]], Any], overwrite: bool, executor: s
     if not quiet and as_json:
         logging.getLogger("batchgen.cli").info("done", extra={"summary": summary})
     elif not quiet:
+        from batchgen.job.run_summary import summary_table
         click.echo(redact(summary_table(summary, str(prepared.out.path))), err=True)
     if metrics is not None:
         metrics.close(finished=True)  # after the summary: lingering, it serves the final values
     return summary
-
-
-def _reader_hint(summary: dict, path: str) -> str:
-    fmt = ((summary.get("job") or {}).get("output") or {}).get("format", "parquet")
-    return f'polars.read_parquet("{path}/*.parquet")' if fmt == "parquet" else f'JSON lines: {path}/part-*.jsonl'
 
 
 def metrics_server(port: int, linger_s: float):
@@ -237,16 +232,19 @@ def configure_logging(quiet: bool, as_json: bool = False) -> None:
               help="Rows read, built and tokenized for the token statistics (the first ones of the input).")
 @click.option("--cost-per-hour", type=PositivePrice(), default=None, metavar="USD",
               help="Price of this machine per hour: the plan adds the job's cost and output tokens per dollar.")
-@click.option("--archive", default=None, metavar="PATH",
-              help="The bench archive the time estimate comes from [default: docs/performance-archive.jsonl, "
-                   "here or else in batchgen's source tree].")
+@click.option("--archive", default="docs/performance-archive.jsonl", show_default=True, metavar="PATH",
+              help="The bench archive the time estimate reads, relative to the current directory (the default: "
+                   "where a batchgen checkout keeps its bench records).")
+@click.option("--no-probe", is_flag=True,
+              help="Without a bench record for this machine, give no time estimate instead of timing a few engine "
+                   "steps on the job's model and rows (a probe of a few seconds, which loads the weights).")
 @click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
               help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
 def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int, cost_per_hour: float | None,
-         archive: str | None, debug: bool) -> None:
+         archive: str, no_probe: bool, debug: bool) -> None:
     """Check JOB.yaml as run would and print the plan (prompts, tokens, memory, time, resume state) without
-    loading the model's weights or writing anything. Exit 2 for a problem run would refuse, or a memory estimate
-    above the memory available."""
+    writing anything. The weights load only for the time probe, where no bench record serves (--no-probe: never).
+    Exit 2 for a problem run would refuse, or a memory estimate above the memory available."""
     from pathlib import Path
 
     from batchgen.job import load_job
@@ -254,13 +252,11 @@ def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int
     from batchgen.job.plan.report import format_plan
 
     logging.basicConfig(level=logging.WARNING, format="batchgen: %(message)s")
-    if archive is None:
-        here = Path("docs/performance-archive.jsonl")
-        archive = here if here.is_file() else Path(batchgen.__file__).parents[1] / here
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # killed while blocked: still one error line
     try:
         with reported_failures(debug, resumable=False):
-            made = make_plan(load_job(job, overrides), overwrite, sample_rows, cost_per_hour, Path(archive))
+            made = make_plan(load_job(job, overrides), overwrite, sample_rows, cost_per_hour, Path(archive),
+                             probe=not no_probe)
     finally:
         signal.signal(signal.SIGTERM, previous)
     click.echo(redact(format_plan(made, job)))
@@ -364,37 +360,3 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-
-def memory_lines(s: dict) -> list[tuple[str, str]]:
-    """Peak RSS against the bound weights + the KV blocks used + 1 GiB, and the KV pool: its size and why."""
-    peak, bound, e = s["peak_memory_bytes"], s.get("memory_bound_bytes"), s.get("engine_stats") or {}
-    if not bound:
-        return [("peak memory", _mib(peak))]
-    return [("peak memory", f"{_mib(peak)} (bound {_mib(bound)}: weights {_mib(e['weights_bytes'])} + KV used "
-                            f"{_mib(e['kv_bytes_touched'])} + 1 GiB)"),
-            ("KV pool", f"{_mib(e['kv_pool_bytes'])} from {e['kv_pool_reason']}; at most "
-                        f"{_mib(e['kv_peak_bytes_used'])} in use at once")]
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.0f} MiB"
-
-
-def summary_table(s: dict, path: str) -> str:
-    from batchgen.job.runner import prompt_tokens_line
-    resumed = f" (this run: {s['rows_this_run']})" if s.get("resumed") else ""
-    samples = f"; {s['output_rows']:,} output rows (samples)" if s.get("output_rows", s["rows"]) != s["rows"] else ""
-    lines = [
-        ("rows", f"{s['rows']:,}{resumed}: {s['rows_ok']:,} ok, {s['rows_error']:,} error{samples}"),
-        ("prompt tokens", prompt_tokens_line(s)),
-        ("output tokens", f"{s['output_tokens']:,} ({s['output_tokens_per_s']:,.1f} tok/s this run)"),
-        ("wall time", f"{s['wall_s']:.1f} s"),
-        ("preemptions", f"{s['preemptions']:,}"),
-        *([("dtype", s["dtype_reason"])] if s.get("dtype_reason") else []),
-        *([("attention", why)] if (why := (s.get("engine_stats") or {}).get("attention_backend_reason")) else []),
-        *memory_lines(s),
-        ("output", f"{path}  ({_reader_hint(s, path)})"),
-    ]
-    width = max(len(name) for name, _ in lines)
-    return "\n".join(["batchgen: done"] + [f"  {name:<{width}}  {value}" for name, value in lines])

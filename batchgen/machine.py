@@ -1,5 +1,6 @@
 """Facts about the machine this process runs on, for everything that reports or decides by them: the engine's
-`dtype: auto`, `batchgen plan`, the bench and roofline records. A leaf module: it imports nothing of batchgen."""
+`dtype: auto`, `batchgen plan`, the bench and roofline records. A leaf module: it imports nothing of batchgen
+(/proc/cpuinfo is read by batchgen_kernels/host.py, which the kernels' build shares)."""
 from __future__ import annotations
 
 import os
@@ -12,27 +13,21 @@ from typing import Any
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
-    """The first CPU's feature flags from /proc/cpuinfo (Linux x86), or None where there is no such file."""
-    try:
-        with open(path) as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        return None
-    return None
+def cpu_flags(path: str | None = None) -> set[str] | None:
+    """The first CPU's feature flags from /proc/cpuinfo (Linux x86), or None where there is no such file or line.
+    /proc/cpuinfo is read in one place, batchgen_kernels/host.py, which the kernels' build cache shares."""
+    from batchgen_kernels.host import CPUINFO, cpuinfo_line  # deferred: it loads torch (the package's __init__)
+
+    line = cpuinfo_line(("flags",), path or CPUINFO)
+    return None if line is None else set(line.split())
 
 
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from batchgen_kernels.host import cpuinfo_line
+
+    line = cpuinfo_line(("model name",))
+    return line.strip() if line is not None else platform.processor() or platform.machine()
 
 
 def machine_info() -> dict[str, Any]:
@@ -62,13 +57,20 @@ def available_memory(device_type: str = "cpu") -> tuple[int, str]:
         import torch
         free, total = torch.cuda.mem_get_info()
         return free, f"free on {torch.cuda.get_device_name()} ({total / 2**30:,.1f} GiB in all)"
+    available, what = free_memory()
+    own = process_rss()
+    return available + own, f"{what} + this process's {own / 2**20:,.0f} MiB"
+
+
+def free_memory() -> tuple[int, str]:
+    """Bytes of host memory free for more allocations now, and where the figure comes from: psutil's available
+    memory, capped by this process's cgroup limit. The one reading of it (available_memory adds this process's)."""
     import psutil
     available, what = psutil.virtual_memory().available, "available (psutil)"
     limit = cgroup_room()
     if limit is not None and limit < available:
         available, what = limit, "left under this cgroup's memory limit"
-    own = process_rss()
-    return available + own, f"{what} + this process's {own / 2**20:,.0f} MiB"
+    return available, what
 
 
 def cgroup_room() -> int | None:

@@ -2,7 +2,7 @@
 names, read an object's byte ranges as a file pyarrow can take, and say what makes an object the same object for a
 resume (its size and ETag).
 
-Why obstore (scripts/object_store_bench.py, docs/object-storage.md): it is the one of pyarrow's S3FileSystem, fsspec
+Why obstore (docs/object-storage.md, "The library, by measurement"): it is the one of pyarrow's S3FileSystem, fsspec
 + s3fs and obstore that does both conditional writes the output's commit protocol needs (create only if absent,
 If-None-Match; replace only the version read, If-Match), it wrote parts fastest, and it reads row groups by range.
 

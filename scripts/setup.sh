@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs batchgen and what it needs into the current Python environment. Safe to re-run.
 # Every dependency comes at the exact version, and with the hashes, in requirements-lock.txt: what CI tested.
-# BATCHGEN_UNLOCKED=1 installs the newest versions pyproject.toml admits instead (dev/try_newest.sh uses it).
+# BATCHGEN_UNLOCKED=1 installs the newest versions pyproject.toml admits instead (dev/try_versions.sh newest uses it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_resume import make_job
 
-from batchgen.cli import summary_table
+from batchgen.job.run_summary import summary_table
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
 from batchgen.engine import startup
 from batchgen.engine.errors import SettingError

@@ -28,7 +28,7 @@ from batchgen.cli import main
 from batchgen.engine.request import Result
 from batchgen.job.executors import local
 from batchgen.job.config import parse_job
-from batchgen.job.output.sink import OutputDir
+from batchgen.job.output.output_dir import OutputDir
 from batchgen.job.input.files import inspect_input
 from batchgen.job.input.source import read_source
 

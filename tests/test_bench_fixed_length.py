@@ -25,7 +25,7 @@ PROMPT = [5, 17, 99, 230, 41, 8]
 @pytest.fixture(scope="module")
 def tiny_chat_model(default_model_dir, tmp_path_factory):
     """A tiny random Llama over the default model's whole vocabulary, with its tokenizer and chat template: what
-    `scripts/make_random_model.py` makes at real sizes, small enough for a test."""
+    `dev/make_random_model.py` makes at real sizes, small enough for a test."""
     from transformers import LlamaConfig
 
     model = tmp_path_factory.mktemp("tiny_chat_full_vocab")

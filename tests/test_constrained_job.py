@@ -26,11 +26,11 @@ from batchgen.job.input.files import inspect_input
 from batchgen.job.output.json_output import LENGTH_ERROR, JsonType, json_type, parse_json_output, schema_json_type
 from batchgen.job.output.resume import describe_changes
 from batchgen.job.executors.local import stream_rows
-from batchgen.job.prepare import PreparedJob, fingerprint_text, job_fingerprint
-from batchgen.job.output.schema import COLUMNS, ROW_COLUMN, OutputOptions, output_schema
+from batchgen.job.prepare import PreparedJob, fingerprint_text, job_fingerprint, output_options
+from batchgen.job.output.schema import COLUMNS, ROW_COLUMN, output_schema
 from batchgen.job.output.final_rewrite import finalize
 from batchgen.job.output.part_writer import PartWriter
-from batchgen.job.output.sink import OutputDir
+from batchgen.job.output.output_dir import OutputDir
 from batchgen.job.input.source import read_source
 
 SCHEMA = {"type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "integer"}},
@@ -268,7 +268,7 @@ def test_bad_row_values_are_row_errors(tmp_path):
      CONDITIONAL),
 ])
 def test_conditional_columns_only_when_asked(sections, input_columns, present):
-    options = OutputOptions.of(job(**sections), {name: pa.int64() for name in ["prompt", *input_columns]})
+    options = output_options(job(**sections), {name: pa.int64() for name in ["prompt", *input_columns]})
     schema = output_schema(pa.string(), [("tag", pa.int8())], options)
     assert schema.names == [c.name for c in COLUMNS if c.only is None or c.name in present] + ["tag"]
 
@@ -276,7 +276,7 @@ def test_conditional_columns_only_when_asked(sections, input_columns, present):
 def test_conditional_column_types():
     config = job(sampling={"json_schema": SCHEMA, "n": 2, "logprobs": 1, "choice": []},
                  output={"parse_json": True})
-    schema = output_schema(pa.int64(), [], OutputOptions.of(config, {"choice": pa.list_(pa.string())}))
+    schema = output_schema(pa.int64(), [], output_options(config, {"choice": pa.list_(pa.string())}))
     assert schema.field("sample_index").type == pa.int32()
     assert schema.field("choice_probs").type == pa.list_(pa.struct([("choice", pa.string()), ("prob", pa.float64())]))
     assert schema.field("logprobs").type == pa.list_(pa.float64())
@@ -376,7 +376,7 @@ def make_out(tmp_path) -> OutputDir:
 
 def test_part_writer_writes_the_conditional_columns(tmp_path):
     config = job(sampling={"json_schema": SCHEMA, "n": 2, "logprobs": 1}, output={"parse_json": True})
-    options = OutputOptions.of(config, {"choice": pa.list_(pa.string())})
+    options = output_options(config, {"choice": pa.list_(pa.string())})
     out = make_out(tmp_path)
     writer = PartWriter(out, output_schema(pa.string(), [], options), "{}", 100, 60.0, True, json_type=options.json)
     top = [[("ok", 7, -0.1)], [("!", 3, -0.2)]]

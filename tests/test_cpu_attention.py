@@ -109,7 +109,7 @@ def test_fp32_query_over_a_bf16_cache_and_a_strided_query():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 72])
 def test_decode_over_a_head_major_cache(dtype, head_dim):
-    """The caches as a view of [N, Hkv, bs, D] memory (what scripts/microbench_attention.py cpu-stream compares):
+    """The caches as a view of [N, Hkv, bs, D] memory (what dev/microbench_attention.py cpu-stream compares):
     the kernel follows the strides, on the vector path (64) and the plain one (72)."""
     q, k_cache, v_cache, md = make_case([1] * 3, [5, 16, 77], block_size=16, num_kv_heads=3, group=3,
                                         head_dim=head_dim, dtype=dtype)

@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM
 
 from batchgen.bench.greedy_check import NEAR_TIE_ABS_TOL, greedy_verdict, hf_greedy_with_logits
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
-from batchgen.engine import cpu_features, startup
+from batchgen.engine import cpu_features, engine_plan
 from batchgen.engine.cpu_features import auto_cpu_dtype, cpu_flags
 from batchgen.models.upcast_linear import upcast_supported
 
@@ -38,10 +38,10 @@ def test_cpu_flags_read_from_cpuinfo(tmp_path):
 def test_resolve_dtype_auto_follows_the_cpu_and_explicit_wins(monkeypatch, flags, expected):
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: flags)
     cpu = torch.device("cpu")
-    assert startup.resolve_dtype("auto", cpu).dtype == expected
-    assert startup.resolve_dtype("auto", torch.device("cuda")).dtype == torch.bfloat16
+    assert engine_plan.resolve_dtype("auto", cpu).dtype == expected
+    assert engine_plan.resolve_dtype("auto", torch.device("cuda")).dtype == torch.bfloat16
     for name in ("float32", "bfloat16", "float16"):
-        choice = startup.resolve_dtype(name, cpu)
+        choice = engine_plan.resolve_dtype(name, cpu)
         assert choice.dtype == getattr(torch, name) and choice.reason == f"{name}: set in dtype"
 
 

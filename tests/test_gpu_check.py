@@ -32,11 +32,11 @@ def read(path: Path) -> dict:
 # --------------------------------------------------------------------------------------------- the dry run
 
 def test_dry_run_writes_every_steps_json_with_its_keys(tmp_path):
-    """`python -m batchgen.bench --gpu --dry-run`, as CI runs it: every step on the CPU, each step's JSON with the
-    common keys and its own, the summary and the closing table."""
+    """`python -m batchgen.bench --gpu --dry-run`, as CI runs it from the checkout's root (step 1 runs its tests):
+    every step on the CPU, each step's JSON with the common keys and its own, the summary and the closing table."""
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "batchgen.bench", "--gpu", "--dry-run", "--out-dir", str(out)],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=150)
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-4000:]
     for step in steps.STEPS:
         record = read(step_path(out, step.number, step.name))
@@ -45,6 +45,8 @@ def test_dry_run_writes_every_steps_json_with_its_keys(tmp_path):
         assert f"step {step.number} {step.name}" in done.stdout
     env, tests = read(out / "step0_environment.json"), read(out / "step1_kernel_tests.json")
     assert env["versions"]["torch"] == torch.__version__ and env["missing"] == {}
+    assert env["git_commit"] == subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                                               text=True).stdout.strip()
     # one kernel test ran under the interpreter; the CUDA-only ones were found by their names, and skipped
     assert tests["counts"]["passed"] >= 1 and tests["counts"]["skipped"] >= 4 and tests["returncode"] == 0
     assert {t["nodeid"].split("[")[0] for t in tests["tests"] if t["outcome"] == "skipped"} >= {
@@ -69,6 +71,25 @@ def test_without_a_gpu_only_the_environment_step_runs_and_says_why(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").glob("*.json")) == ["step0_environment.json", "summary.json"]
     record = read(tmp_path / "out" / "step0_environment.json")
     assert record["finished"] and not record["ok"] and "a CUDA device" in record["missing"]
+
+
+def test_away_from_a_checkout_step_1_is_skipped_saying_why(tmp_path, monkeypatch, capsys):
+    """Run from another directory (as an installed batchgen always is), step 1 runs no tests, since they are the
+    checkout's: its JSON and the closing table say it was skipped and why; no commit is recorded (no git is run)."""
+    from batchgen.bench.checkout import checkout_root, git_commit
+    from batchgen.bench.gpu.report import summary_table
+
+    monkeypatch.chdir(tmp_path)
+    assert checkout_root() is None and git_commit() is None
+    code = check.main(["--dry-run", "--step", "kernel_tests", "--out-dir", str(tmp_path), "--work-dir",
+                       str(tmp_path), "--step-budget", "60"])
+    record = read(step_path(tmp_path, 1, "kernel_tests"))
+    assert code == 0 and record["ok"] and record["finished"] and record["tests"] == []
+    assert "not run from a batchgen checkout" in record["skipped"] and "skipped" in capsys.readouterr().err
+    table = summary_table([record])
+    assert "skip" in table.split()[3] and "not run from a batchgen checkout" in table
+    monkeypatch.chdir(REPO)
+    assert checkout_root() == REPO
 
 
 # ------------------------------------------------------------------------------------------ failing steps

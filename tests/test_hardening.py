@@ -31,7 +31,7 @@ from batchgen.job.prepare import check_input_unchanged, fingerprint_text
 from batchgen.job.runner import execute_job
 from batchgen.job.output.schema import output_schema
 from batchgen.job.output.part_writer import PartWriter
-from batchgen.job.output.sink import FINGERPRINT_KEY
+from batchgen.job.output.parts import FINGERPRINT_KEY
 from batchgen.models.loader import UnsupportedModelError, load_model
 
 ERROR = "batchgen: error: "

@@ -21,8 +21,8 @@ from test_bad_input import (deadline, echo_job, error_line, loader, questions,  
 
 from batchgen.cli import main
 from batchgen.job.plan import estimate as plan_module
-from batchgen.job.prepare import lock_output
-from batchgen.job.output.sink import SUCCESS, OutputDir
+from batchgen.job.output.output_dir import OutputDir, lock_output
+from batchgen.job.output.parts import SUCCESS
 
 
 def finished_output(tmp_path: Path, out: Path, rows: int = 20):

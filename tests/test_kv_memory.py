@@ -63,17 +63,24 @@ def test_gpu_pool_capped_at_what_the_job_can_use(monkeypatch):
     the tiny test model on an H200 is ~15 M blocks; the pool is capped by the same rule as on the CPU."""
     from types import SimpleNamespace
 
-    from batchgen.engine.startup import kv_pool_size
+    from batchgen.engine.cpu_features import DtypeChoice
+    from batchgen.engine.engine_plan import EngineTarget, plan_engine
+    from batchgen.engine.gpu_memory import profile_step
+    from batchgen.models.inspector import ModelDescription
 
     free, peak = 130 * 2**30, 2**30
     fake_cuda_memory(monkeypatch, free, peak)
-    model = SimpleNamespace(device=torch.device("cuda"), num_layers=2, num_kv_heads=2, head_dim=16, max_model_len=512)
+    model = ModelDescription("LlamaForCausalLM", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                             hidden_size=64, intermediate_size=128, vocab_size=384, max_model_len=512)
+    target = EngineTarget(torch.device("cuda"), DtypeChoice(torch.float32, "float32: set in dtype"))
     budget_blocks = (int(free * 0.9) - peak) // (16 * 512)  # 512 B/token in fp32
     assert budget_blocks > 14_000_000
 
-    def pool(max_num_seqs):
+    def pool(max_num_seqs):  # the memory figure as the engine measures it (gpu_memory.profile_step, torch faked)
         args = EngineArgs(model="unused", device="cuda", kv_cache_memory=None, max_num_seqs=max_num_seqs)
-        return kv_pool_size(model, args, torch.float32, torch.device("cuda"))
+        return plan_engine(args, model, lambda: profile_step(SimpleNamespace(device=torch.device("cuda")),
+                                                             args.max_num_batched_tokens, args.max_num_seqs, 16),
+                           target).kv_pool
 
     capped = pool(16)
     assert capped.num_blocks == blocks_in_use_at_most(16, 512, 16) == 16 * (512 // 16 + 1)

@@ -1,5 +1,6 @@
 """The package's shape: files a newcomer can read in one sitting, imports that run one way (no circle, deferred
-imports included; no layer importing one above it), and `batchgen plan` that loads nothing of the benchmark."""
+and type-only imports included; no layer importing one above it), the output's kind asked only by its store, and
+`batchgen plan` that loads nothing of the benchmark."""
 from __future__ import annotations
 
 import ast
@@ -35,11 +36,13 @@ def runtime_nodes(tree: ast.AST):
         yield from runtime_nodes(node)
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The batchgen modules `name` imports anywhere in its file (inside functions too)."""
+def imports_of(name: str, path: Path, known: set[str], type_only: bool = False) -> set[str]:
+    """The batchgen modules `name` imports anywhere in its file (inside functions too; `type_only`: under
+    `if TYPE_CHECKING:` too)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in runtime_nodes(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if type_only else runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -53,9 +56,9 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return {module for module in found if module in known}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
     found = modules()
-    return {name: imports_of(name, path, set(found)) for name, path in found.items()}
+    return {name: imports_of(name, path, set(found), type_only) for name, path in found.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -107,13 +110,35 @@ def test_the_graph_sees_deferred_imports():
     graph = import_graph()
     assert "batchgen.job.executors.base" in graph["batchgen.job.executors.local"]
     assert "batchgen.job.input.source" in graph["batchgen.job.executors.ray"]  # imported inside a method
-    assert "batchgen.engine.startup" in graph["batchgen.job.prepare"]  # imported inside a function
+    assert "batchgen.engine.engine_plan" in graph["batchgen.job.prepare"]  # imported inside a function
     assert "batchgen.job.prepare" not in graph["batchgen.job.executors.base"]  # under TYPE_CHECKING only
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_no_import_circle():
     assert cycles(import_graph()) == []
+
+
+def test_no_import_circle_through_type_only_imports_either():
+    """An annotation is a dependency too: two modules that name each other's types are one module in two files."""
+    assert "batchgen.job.prepare" in import_graph(type_only=True)["batchgen.job.executors.base"]
+    assert cycles(import_graph(type_only=True)) == []
+
+
+# The output-store implementations: the only modules that may ask which kind an output is (output/store.py).
+OUTPUT_KINDS = ("OutputDir", "ObjectOutput", "OutputStore")
+OUTPUT_STORES = ("batchgen.job.output.output_dir", "batchgen.job.output.object_output")
+
+
+def test_the_output_kind_is_asked_only_of_its_store():
+    asked = sorted(f"{name}:{node.lineno}" for name, path in modules().items() if name not in OUTPUT_STORES
+                   for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                   and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2
+                   and any(isinstance(inner, (ast.Name, ast.Attribute))
+                           and (inner.id if isinstance(inner, ast.Name) else inner.attr) in OUTPUT_KINDS
+                           for inner in ast.walk(node.args[1])))
+    assert asked == []
 
 
 def test_no_layer_imports_one_above_it():

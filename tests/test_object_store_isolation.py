@@ -198,8 +198,7 @@ def test_a_live_lease_is_exit_75_saying_how_long_to_wait(tmp_path, s3):
 
 
 def test_a_second_run_on_a_local_output_exits_75(tmp_path, small_input):
-    from batchgen.job.output.sink import OutputDir
-    from batchgen.job.prepare import lock_output
+    from batchgen.job.output.output_dir import OutputDir, lock_output
 
     job = write_job(tmp_path, "local", str(tmp_path / "out"), input={**SAMPLE["input"], "path": str(small_input)})
     held = lock_output(OutputDir(tmp_path / "out"))  # as a running batchgen holds it

@@ -1,4 +1,4 @@
-"""The output columns are defined once (batchgen/job/schema.py): the schema, the part writer and the README's output
+"""The output columns are defined once (batchgen/job/output/schema.py): the schema, the part writer and the README's output
 table all follow that table."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from batchgen.engine.request import Result
 from batchgen.job.output.schema import (COLUMNS, KEEP_COLUMNS_ROW, OUTPUT_COLUMNS, ROW_POSITION_ID_TYPE, markdown_rows,
                                  output_schema)
 from batchgen.job.output.part_writer import PartWriter
-from batchgen.job.output.sink import OutputDir
+from batchgen.job.output.output_dir import OutputDir
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -48,6 +48,11 @@ def test_readme_types_name_the_arrow_types():
 
 
 ALWAYS = [c for c in COLUMNS if c.only is None]  # the columns without a condition
+
+
+def test_the_names_the_config_reads_are_the_tables():
+    """column_names.py holds the names alone (a leaf the config imports): they must be the table's, in its order."""
+    assert OUTPUT_COLUMNS == tuple(column.name for column in COLUMNS)
 
 
 def test_schema_follows_the_columns():

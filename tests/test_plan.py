@@ -22,8 +22,7 @@ from safetensors.torch import load_file
 from batchgen.cli import main
 from batchgen.job import load_job
 from batchgen.job.plan.estimate import make_plan
-from batchgen.job.prepare import lock_output
-from batchgen.job.output.sink import OutputDir
+from batchgen.job.output.output_dir import OutputDir, lock_output
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("job", "input", "prompts", "tokens", "fit", "memory", "time", "cost", "output")

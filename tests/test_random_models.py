@@ -1,4 +1,4 @@
-"""scripts/make_random_model.py: tiny variants of every shape load in transformers with exactly the checkpoint's
+"""dev/make_random_model.py: tiny variants of every shape load in transformers with exactly the checkpoint's
 tensors, in batchgen (Llama, Qwen), sharded the same as whole; the full shapes' configs are the real ones; a
 directory inside a git checkout is refused."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from batchgen.models.loader import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("make_random_model", ROOT / "scripts" / "make_random_model.py")
+_SPEC = importlib.util.spec_from_file_location("make_random_model", ROOT / "dev" / "make_random_model.py")
 mrm = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = mrm  # for its dataclasses
 _SPEC.loader.exec_module(mrm)

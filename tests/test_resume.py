@@ -20,9 +20,9 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.engine.request import Result
-from batchgen.job import load_job, prepare, prepare_job
+from batchgen.job import load_job, prepare_job
 from batchgen.job.executors import local
-from batchgen.job.output import sink as sink_module
+from batchgen.job.output import output_dir as sink_module
 from batchgen.job.config import ROW_COLUMN
 from batchgen.job.output.part_writer import PartWriter
 from batchgen.job.prepare import fingerprint_text
@@ -277,16 +277,16 @@ def test_a_run_that_finished_while_this_one_took_the_lock_is_not_redone(tmp_path
     and all), then B locks. B must see the finished job, not start it again over A's parts."""
     job = make_job(tmp_path, 4)
     commit_all_rows(job, 4)
-    real_lock = prepare.lock_output
+    real_lock = sink_module.lock_output
 
     def lock_after_the_other_run_finished(out):
         finished = run_cli(job, "--quiet")  # "A": finalizes the committed rows
         assert finished.returncode == 0, finished.stderr
         return real_lock(out)
 
-    monkeypatch.setattr(prepare, "lock_output", lock_after_the_other_run_finished)
+    monkeypatch.setattr(sink_module, "lock_output", lock_after_the_other_run_finished)
     prepared = prepare_job(load_job(job))
-    assert prepared.complete is not None and prepared.complete["rows"] == 4 and prepared.lock_fd is None
+    assert prepared.complete is not None and prepared.complete["rows"] == 4 and prepared.out.lock_fd is None
     assert not (tmp_path / ".out.batchgen-tmp").exists()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_SUCCESS", "_report.html", "_timeline.json",
                                                                    "part-00000.parquet", "part-00001.parquet"]

@@ -13,12 +13,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.engine.request import Result
-from batchgen.job.output import sink as sink_module
+from batchgen.job.output import output_dir as sink_module
+from batchgen.job.output import parts
 from batchgen.job.config import JobConfigError, parse_job
 from batchgen.job.output.schema import OUTPUT_COLUMNS, ROW_COLUMN, output_schema
 from batchgen.job.output.final_rewrite import RowTotals, apply_rewrite, finalize
 from batchgen.job.output.part_writer import PartWriter
-from batchgen.job.output.sink import SCRATCH_MARK, OutputDir
+from batchgen.job.output.output_dir import SCRATCH_MARK, OutputDir
 from batchgen.job.input.files import find_input_files, inspect_input
 from batchgen.job.input.source import SourceRow, read_source, sort_windows
 
@@ -279,12 +280,12 @@ def test_part_writer_commits_atomically_with_ledger(tmp_path):
     first = pq.read_table(out.run_parts()[0])
     assert first[ROW_COLUMN].to_pylist() == [0, 2, 4]  # sorted by input position
     assert first["id"].to_pylist() == ["id-0", "id-2", "id-4"] and first["tag"].to_pylist() == [0, 20, 40]
-    assert json.loads(first.schema.metadata[sink_module.FINGERPRINT_KEY]) == {"job": 1}
+    assert json.loads(first.schema.metadata[parts.FINGERPRINT_KEY]) == {"job": 1}
     writer.commit()
     assert out.names() == ["run-00000.parquet", "run-00001.parquet"]  # nothing uncommitted in the output
     assert list(out.done_rows(7)) == [1, 1, 1, 1, 1, 0, 0]
     assert out.next_seq() == 2 and writer.committed_rows == 5
-    assert {json.loads(s.metadata[sink_module.FINGERPRINT_KEY])["job"] for s in out.run_part_schemas().values()} == {1}
+    assert {json.loads(s.metadata[parts.FINGERPRINT_KEY])["job"] for s in out.run_part_schemas().values()} == {1}
 
 
 def test_part_writer_commits_on_interval(tmp_path):
@@ -421,9 +422,9 @@ def test_output_dir_classifies_files(tmp_path):
     out = OutputDir(tmp_path / "job")
     assert out.tmp == tmp_path / ".job.batchgen-tmp"
     out.path.mkdir()
-    ours = sink_module.final_part_schema(SCHEMA, json.dumps({"job": 1}))
+    ours = parts.final_part_schema(SCHEMA, json.dumps({"job": 1}))
     pq.write_table(ours.empty_table(), out.path / "part-00000.parquet")
-    pq.write_table(sink_module.run_part_schema(SCHEMA, json.dumps({"job": 1})).empty_table(),
+    pq.write_table(parts.run_part_schema(SCHEMA, json.dumps({"job": 1})).empty_table(),
                    out.path / "run-00003.parquet")
     (out.path / "_SUCCESS").write_text(json.dumps({"fingerprint": {"job": 1}}))
     for name in [".DS_Store", "notes.csv"]:

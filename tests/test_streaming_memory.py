@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent('''
     from batchgen.job.prepare import PreparedJob, job_fingerprint, fingerprint_text
     from batchgen.job.output.final_rewrite import finalize
     from batchgen.job.output.part_writer import PartWriter
-    from batchgen.job.output.sink import OutputDir
+    from batchgen.job.output.output_dir import OutputDir
     from batchgen.job.input.files import inspect_input
     from batchgen.job.input.source import read_source
 

@@ -17,6 +17,7 @@ from transformers import LlamaConfig  # noqa: E402
 from batchgen.cli import main  # noqa: E402
 from batchgen.engine import EngineArgs  # noqa: E402
 from batchgen.engine.errors import SettingError  # noqa: E402
+from batchgen.models.inspector import describe_config  # noqa: E402
 from batchgen.engine.kernel_warmup import compile_attention_kernels  # noqa: E402
 from batchgen.engine.startup import check_attention_shape  # noqa: E402
 from batchgen_kernels.triton_limits import MAX_GROUP, MIN_HEAD_DIM, unsupported_reason  # noqa: E402
@@ -31,6 +32,11 @@ def triton_runs_on_cuda(monkeypatch):
 
     monkeypatch.setattr(triton_probe, "_results", {})
     monkeypatch.setattr(triton_probe, "launch", lambda device: None)
+
+
+def described(head_dim):
+    """The model the config builds, as the engine's start-up describes it (models/inspector.py)."""
+    return describe_config(config(head_dim=head_dim))
 
 
 def config(head_dim=64, heads=8, kv_heads=2):
@@ -55,14 +61,14 @@ def test_the_limits():
 def test_the_engine_refuses_an_unsupported_shape_on_cuda():
     with pytest.raises(SettingError, match=r"cannot run this model on CUDA: head_dim 8 is below 16.*attention_backend: "
                                            r"torch") as refused:
-        check_attention_shape(EngineArgs(), CUDA, torch.bfloat16, config(head_dim=8))
+        check_attention_shape(EngineArgs(), CUDA, torch.bfloat16, described(head_dim=8))
     assert refused.value.key == "attention_backend"
     with pytest.raises(SettingError, match="head_dim 8"):
-        check_attention_shape(EngineArgs(attention_backend="triton"), CUDA, torch.float32, config(head_dim=8))
-    check_attention_shape(EngineArgs(), CUDA, torch.bfloat16, config(head_dim=64))
+        check_attention_shape(EngineArgs(attention_backend="triton"), CUDA, torch.float32, described(head_dim=8))
+    check_attention_shape(EngineArgs(), CUDA, torch.bfloat16, described(head_dim=64))
     # Where the Triton kernels do not run, their limits do not apply.
-    check_attention_shape(EngineArgs(attention_backend="torch"), CUDA, torch.bfloat16, config(head_dim=8))
-    check_attention_shape(EngineArgs(), torch.device("cpu"), torch.float32, config(head_dim=8))
+    check_attention_shape(EngineArgs(attention_backend="torch"), CUDA, torch.bfloat16, described(head_dim=8))
+    check_attention_shape(EngineArgs(), torch.device("cpu"), torch.float32, described(head_dim=8))
 
 
 def test_batchgen_run_exits_2_naming_the_reason(tmp_path, monkeypatch):

@@ -3,7 +3,6 @@ after another in this process, then compare, and write the JSON record, the char
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -116,7 +115,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchR
 def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
     """The rows, and the engine settings for batchgen (the job's engine section when there is a job)."""
     from batchgen.engine import EngineArgs
-    from batchgen.engine.startup import check_quantization, resolve_device, resolve_dtype
+    from batchgen.engine.engine_plan import resolve_target
     from batchgen.models.loader import load_tokenizer, resolve_model
 
     if config.job:
@@ -133,8 +132,7 @@ def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
     # One explicit dtype for batchgen and vLLM, recorded as such: --dtype, else the job's, else float32.
     dtype = config.dtype or (engine_args.dtype if config.job else "float32")
     engine_args = dataclasses.replace(engine_args, dtype=resolved_dtype(dtype, engine_args.device))
-    device = resolve_device(engine_args.device)
-    check_quantization(engine_args.quantization, resolve_dtype(engine_args.dtype, device), device)
+    resolve_target(engine_args.device, engine_args.dtype, engine_args.quantization)  # the engine's verdict, now
     tokenizer = load_tokenizer(resolve_model(engine_args.model))
     if config.job:
         workload = job_workload(config.job, tokenizer, config.rows, config.max_tokens_scale)
@@ -189,17 +187,14 @@ def build_record(config: BenchConfig, workload: Workload, engine_args: Any, mach
 
 def resolved_dtype(name: str, device: str) -> str:
     """A dtype setting ('auto' too) as the engine resolves it on `device` ('auto' too): 'float32', 'bfloat16'."""
-    from batchgen.engine.startup import resolve_device, resolve_dtype
+    from batchgen.engine.engine_plan import resolve_target
 
-    return resolve_dtype(name, resolve_device(device)).name
+    return resolve_target(device, name).dtype.name
 
 
 def git_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                              capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if done.returncode != 0:
-        return None
-    return done.stdout.strip() or None
+    """The commit of the checkout batchgen runs from, None for an installed batchgen (bench/checkout.py: git never
+    runs in the package's own directory)."""
+    from .checkout import git_commit as checkout_commit
+
+    return checkout_commit()

@@ -59,20 +59,22 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
 
 
 def cache_size(model, options: BenchOptions) -> dict:
-    """The paged cache sized to batchgen's KV budget: on the CPU its default takes most of the machine's memory
-    (and a long time to allocate). Versions without ContinuousBatchingConfig keep their defaults."""
-    from batchgen.engine.engine_args import parse_bytes
+    """The paged cache sized to batchgen's KV budget on the CPU (kv_pool.kv_cache_budget), at the model's KV bytes
+    per token (engine_plan.kv_bytes_per_token, every layer: transformers' cache has no sliding-window group): on the
+    CPU its default takes most of the machine's memory (and a long time to allocate). Versions without
+    ContinuousBatchingConfig keep their defaults."""
+    from batchgen.engine.engine_plan import kv_bytes_per_token
+    from batchgen.engine.kv_pool import kv_cache_budget
+    from batchgen.models.inspector import describe_config
 
     try:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
     except ImportError:
         return {}
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    bytes_per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize  # K and V
+    bytes_per_token = kv_bytes_per_token(describe_config(model.config), model.dtype)  # K and V
     page_size = getattr(ContinuousBatchingConfig(), "page_size", 256)  # tokens per block
-    num_blocks = max(1, parse_bytes(options.engine_args.cpu_kv_cache_memory()) // (bytes_per_token * page_size))
+    budget, _ = kv_cache_budget(options.engine_args, "cpu")
+    num_blocks = max(1, budget // (bytes_per_token * page_size))
     return {"continuous_batching_config": ContinuousBatchingConfig(num_blocks=num_blocks)}
 
 

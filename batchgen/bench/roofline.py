@@ -119,8 +119,8 @@ def quantization_problem(quantization: str | None, dtype: str) -> str | None:
     import torch
 
     from batchgen.engine.cpu_features import DtypeChoice
+    from batchgen.engine.engine_plan import check_quantization
     from batchgen.engine.errors import SettingError
-    from batchgen.engine.startup import check_quantization
 
     try:
         check_quantization(quantization, DtypeChoice(getattr(torch, dtype), "bench --dtype"), torch.device("cpu"))
@@ -136,7 +136,7 @@ def measure_dtype(config: RooflineConfig, dtype: str, quantization: str | None, 
     import numpy as np
 
     from batchgen.engine import EngineArgs
-    from batchgen.engine.startup import kv_bytes_per_token, set_up
+    from batchgen.engine.startup import set_up
 
     block_size = EngineArgs.block_size
     kv_per_token, limit, limit_note = kv_plan(config, dtype, quantization)
@@ -153,8 +153,7 @@ def measure_dtype(config: RooflineConfig, dtype: str, quantization: str | None, 
     setup = set_up(EngineArgs(model=config.model, dtype=dtype, device="cpu", enable_prefix_caching=False,
                               kv_cache_memory=num_blocks * block_size * kv_per_token, quantization=quantization))
     runner = setup.runner
-    assert kv_bytes_per_token(setup.model.num_layers, setup.model.num_kv_heads, setup.model.head_dim,
-                              setup.dtype.dtype) == kv_per_token
+    assert setup.plan.kv_bytes_per_token == kv_per_token  # the engine's plan, from the same description
     runner.kv_cache.uniform_(-1.0, 1.0)  # random keys and values: no step reads zeros
     counts = ModelCounts.of(setup, kv_per_token)
     rng = np.random.default_rng(config.seed)
@@ -209,22 +208,23 @@ def measure_dtype(config: RooflineConfig, dtype: str, quantization: str | None, 
 
 
 def kv_plan(config: RooflineConfig, dtype: str, quantization: str | None = None) -> tuple[int, int, str]:
-    """(KV bytes per token, the most KV cache this dtype's cases may take, why that much): the memory available
-    now less the weights (from the safetensors headers) and a headroom, or the --kv-cache-memory cap if lower."""
-    import psutil
+    """(KV bytes per token, the most KV cache this dtype's cases may take, why that much): the memory free now
+    (machine.free_memory: under this cgroup's limit too) less the weights (from the model's description: headers)
+    and a headroom, or the --kv-cache-memory cap if lower."""
     import torch
 
     from batchgen.engine.engine_args import parse_bytes
-    from batchgen.engine.startup import kv_bytes_per_token
+    from batchgen.engine.engine_plan import kv_bytes_per_token
     from batchgen.job.plan.memory import inspect_model
+    from batchgen.machine import free_memory
     from batchgen.models.loader import resolve_model
 
     torch_dtype = getattr(torch, dtype)
-    shape, weights = inspect_model(resolve_model(config.model), torch_dtype, on_cpu=True, quantization=quantization)
-    kv_per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, torch_dtype)
-    available = psutil.virtual_memory().available
+    model, weights = inspect_model(resolve_model(config.model), torch_dtype, on_cpu=True, quantization=quantization)
+    kv_per_token = kv_bytes_per_token(model, torch_dtype)
+    available, source = free_memory()
     limit = available - weights.loaded - weights.mapped - HEADROOM_BYTES
-    note = (f"{available / 2**30:.1f} GiB available less weights {(weights.loaded + weights.mapped) / 2**30:.1f} "
+    note = (f"{available / 2**30:.1f} GiB {source} less weights {(weights.loaded + weights.mapped) / 2**30:.1f} "
             f"GiB and {HEADROOM_BYTES / 2**30:.0f} GiB headroom leave {max(limit, 0) / 2**30:.1f} GiB")
     if config.kv_cache_memory is not None and parse_bytes(config.kv_cache_memory) < limit:
         limit = parse_bytes(config.kv_cache_memory)

@@ -33,18 +33,18 @@ class ModelCounts:
 
     @classmethod
     def of(cls, setup, kv_bytes_per_token: int) -> "ModelCounts":
-        """From the engine's set-up model (batchgen.engine.startup.EngineSetup), as it is held in memory: packed or
-        quantized weights are counted at their real size (they are no longer plain parameters, so the counts come
-        from the set-up's totals less the embedding table)."""
-        model = setup.model
+        """From the engine's set-up model (batchgen.engine.startup.EngineSetup): its shape from the engine plan's
+        model description, its weights as they are held in memory: packed or quantized weights are counted at their
+        real size (they are no longer plain parameters, so the counts come from the set-up's totals less the
+        embedding table)."""
+        shape, model = setup.plan.model, setup.model
         embedding = model.model.embed_tokens.weight
-        lm_head_params = model.vocab_size * embedding.shape[1]
-        tied = model.variant.tie_word_embeddings
-        matmul_params = setup.num_parameters - embedding.numel() + (lm_head_params if tied else 0)
+        lm_head_params = shape.vocab_size * shape.hidden_size
+        matmul_params = setup.num_parameters - embedding.numel() + (lm_head_params if shape.tie_word_embeddings else 0)
         weight_bytes = setup.weights_bytes - embedding.numel() * embedding.element_size()
         if getattr(model.lm_head, "weight", None) is embedding:  # a tied head that is the table itself, not a copy
             weight_bytes += embedding.numel() * embedding.element_size()
-        return cls(model.num_layers, model.num_heads, model.head_dim, matmul_params, lm_head_params, weight_bytes,
+        return cls(shape.num_layers, shape.num_heads, shape.head_dim, matmul_params, lm_head_params, weight_bytes,
                    kv_bytes_per_token)
 
     def describe(self) -> dict:

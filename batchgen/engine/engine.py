@@ -29,6 +29,7 @@ class Engine:
         args.validate()
         self.args = args
         setup = set_up(args)
+        self.plan = setup.plan  # every start-up decision and why (engine_plan.py); the fields below are its
         self.device = setup.device
         self.dtype, self.dtype_reason = setup.dtype.dtype, setup.dtype.reason  # the reason: why auto chose it
         self.attention = setup.attention  # the attention kernels that run, and why (a fallback says what failed)

@@ -5,7 +5,8 @@
     input/               input files, reading rows, building and tokenizing prompts
     prepare.py           the checks that need no model, the fingerprint, the output's lock, the engine settings
     executors/           local (one engine here) or ray (engine replicas): rows in, each row's results out
-    output/              the column table, the part writer and its ledger, resume, the final rewrite
+    output/              the column table, the output store (a directory or an object prefix) and its ledger,
+                         the part writer, the output check, the final rewrite
     runner.py            execute_job: an executor into the part writer, then _SUCCESS
     plan/                `batchgen plan`: what a run would do, without running it
 """

@@ -28,8 +28,9 @@ from batchgen.user_files import SCHEMA_FILE_LIMIT, UserFileError, read_user_text
 
 from .job_file import read_job_file
 from .keys import JobConfigError, check_bounded, keys_of, plain, read_keys
+from .executor_config import ExecutorConfig
 from .section_checks import check_executor, check_storage
-from .output.schema import OUTPUT_COLUMNS, ROW_COLUMN
+from .output.column_names import OUTPUT_COLUMNS, ROW_COLUMN
 
 log = logging.getLogger(__name__)
 
@@ -111,19 +112,6 @@ class OutputConfig:
     parse_json: bool = False  # the `json` column: each row's text parsed, typed from sampling.json_schema
     report: bool = True  # _report.html, the job report, written before _SUCCESS
     format: Literal["parquet", "jsonl", "openai-batch"] = "parquet"  # the final files (output/final_formats.py)
-
-
-@dataclass(frozen=True)
-class ExecutorConfig:
-    """Where the engine runs: `local` (this process) or `ray` (engine replicas on a Ray cluster, fed by Ray Data;
-    job/executors/ray.py). Results do not depend on it."""
-
-    kind: Literal["local", "ray"] = "local"
-    address: str | None = None  # the Ray cluster; default: RAY_ADDRESS, else a local Ray started for the run
-    replicas: int = 1  # engine replicas (one per GPU on a GPU cluster)
-    gpus_per_replica: float = 1.0  # on a cluster with GPUs; ignored where the engine runs on CPUs
-    cpus_per_replica: int = 1  # CPU threads per replica (torch threads when it runs on CPUs)
-    batch_size: int | None = None  # rows per batch sent to a replica; default: input.sort_window (one sorted window)
 
 
 @dataclass(frozen=True)

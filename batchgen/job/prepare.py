@@ -4,14 +4,10 @@ and the engine settings a run gets."""
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
-import os
-import shutil
-import tempfile
-from pathlib import Path
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -21,13 +17,17 @@ from batchgen.machine import available_memory
 from batchgen.object_store import RemoteFile, StorageConfig, is_remote, obstore_missing
 
 from .config import JobConfig, JobConfigError
-from .keys import OutputBusy
 from .missing_bucket import bucket_must_exist
 from .input.files import InputFiles, inspect_input
-from .output.object_output import ObjectOutput, check_output_at, open_output
-from .output.resume import describe_changes, input_identity, output_errors
+from .output.json_output import schema_json_type
+from .output.open_output import open_output
+from .output.parts import run_part_schema
+from .output.resume import check_output, describe_changes, input_identity, output_errors
 from .output.schema import ROW_POSITION_ID_TYPE, OutputOptions, output_schema
-from .output.sink import OutputDir, run_part_schema
+from .output.store import OutputStore
+
+if TYPE_CHECKING:  # the job layer imports torch only where it needs it
+    from batchgen.engine.engine_plan import EngineTarget
 
 # The parts of a job that change its results: a resume is refused when any of them differs.
 PROMPT_KEYS = ("id_column", "prompt_column", "messages_column", "system_prompt", "system_column", "template",
@@ -39,11 +39,11 @@ class PreparedJob:
     config: JobConfig
     inputs: InputFiles
     fingerprint: dict[str, Any]
-    out: OutputDir | ObjectOutput
+    out: OutputStore  # a local directory or an object-store prefix; a run holds its lock (flock or lease)
     complete: dict | None = None  # the _SUCCESS summary when the job already finished
-    lock_fd: int | None = None  # a local output's lock (an object-store output holds a lease instead)
     done: bytearray | None = None  # the ledger read when the output was taken: done[row] for committed rows
     cost_per_hour: float | None = None  # the machine's price, for _SUCCESS's tokens_per_dollar
+    target: EngineTarget | None = None  # the run's device and dtype and why, resolved once (engine_target)
 
     @property
     def model(self) -> str:
@@ -53,7 +53,7 @@ class PreparedJob:
 
     @property
     def options(self) -> OutputOptions:
-        return OutputOptions.of(self.config, self.inputs.column_types)
+        return output_options(self.config, self.inputs.column_types)
 
     @property
     def schema(self) -> pa.Schema:
@@ -66,11 +66,18 @@ class PreparedJob:
         return run_part_schema(self.schema, fingerprint_text(self.fingerprint))
 
     def release(self) -> None:
-        if self.lock_fd is not None:
-            os.close(self.lock_fd)
-            self.lock_fd = None
-        if isinstance(self.out, ObjectOutput):
-            self.out.release_lease()
+        self.out.unlock()
+
+
+def output_options(config: JobConfig, input_columns: Container[str]) -> OutputOptions:
+    """What decides the job's conditional output columns (schema.py): its sampling and output keys, and which
+    per-row sampling columns its input has."""
+    sampling = config.sampling
+    return OutputOptions(samples=sampling.n > 1 or "n" in input_columns,
+                         choice=bool(sampling.choice) or "choice" in input_columns,
+                         logprobs=sampling.logprobs is not None or "logprobs" in input_columns,
+                         json=schema_json_type(sampling.json_schema) if config.output.parse_json else None,
+                         replica=config.executor.kind == "ray")
 
 
 def prepare_job(config: JobConfig, overwrite: bool = False) -> PreparedJob:
@@ -78,7 +85,7 @@ def prepare_job(config: JobConfig, overwrite: bool = False) -> PreparedJob:
     unless the job is already complete."""
     job = inspect_job(config)
     with output_errors(job.out):
-        job.complete = check_output_at(job.out, job.fingerprint, overwrite, job.run_schema)
+        job.complete = check_output(job.out, job.fingerprint, overwrite, job.run_schema)
         if job.complete is None:
             take_output(job, overwrite)
     return job
@@ -93,10 +100,10 @@ def inspect_job(config: JobConfig, no_download_because: str | None = None) -> Pr
     check_executor(config)
     model = check_model(config.model, no_download_because, chat_template=config.input.chat_template is True,
                         storage=config.storage)
-    check_device(config.device)
-    check_kv_cache_memory(config.engine)
-    return PreparedJob(config, inputs, job_fingerprint(config, model, inputs),
-                       open_output(config.output.path, config.storage))
+    target = engine_target(config)
+    check_kv_cache_memory(config.engine, target.device.type)
+    return PreparedJob(config, inputs, job_fingerprint(config, model, inputs, target),
+                       open_output(config.output.path, config.storage), target=target)
 
 
 def check_chat_template(config: JobConfig, tokenizer) -> None:
@@ -144,19 +151,21 @@ def check_model(ref: str, no_download_because: str | None = None, chat_template:
     return identity
 
 
-def check_device(device: str) -> None:
-    if device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise JobConfigError("device: cuda was asked for but torch sees no CUDA device (use auto or cpu)")
+def engine_target(config: JobConfig) -> EngineTarget:
+    """The run's device and its dtype and why, by the engine's own rule (engine_plan.resolve_target), which needs no
+    model: what the fingerprint records and the summary falls back on. A device: cuda without one is a job error."""
+    from batchgen.engine.engine_plan import resolve_target
+    from batchgen.engine.errors import SettingError
+
+    try:
+        return resolve_target(config.device, config.dtype)
+    except SettingError as exc:  # the one it raises: device cuda, and torch sees none
+        raise JobConfigError(f"{exc} (use auto or cpu)") from None
 
 
-def check_kv_cache_memory(engine: EngineArgs) -> None:
+def check_kv_cache_memory(engine: EngineArgs, device: str) -> None:
     """A KV cache larger than the memory available would fail in the allocator, after the model loaded: refuse it
     now. On CUDA only a size that was set is checked (the default is sized from the device once the model loads)."""
-    from batchgen.engine.startup import resolve_device
-
-    device = resolve_device(engine.device).type
     budget = kv_cache_budget(engine, device)
     if budget is None:
         return
@@ -168,13 +177,14 @@ def check_kv_cache_memory(engine: EngineArgs) -> None:
                              f"set a smaller size")
 
 
-def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[str, Any]:
+def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles,
+                    target: EngineTarget | None = None) -> dict[str, Any]:
     """What decides the rows' results (engine settings other than quantization, and sorting, do not), the identity
     of each input file included: a rewritten input is another job. The dtype is the one `auto` resolves to here:
     resuming on a machine where it resolves to another would mix rows of both."""
     return {
         "model": model,
-        "dtype": resolved_dtype(config).name,
+        "dtype": (target or engine_target(config)).dtype.name,
         "input": {key: getattr(config.input, key) for key in PROMPT_KEYS},
         "files": input_files(inputs),
         "sampling": config.to_dict()["sampling"],
@@ -186,13 +196,6 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles) -> dict[s
         # batch-invariant arithmetic gives some rows other bits than the default's; absent when off, as above
         **({"batch_invariant": True} if config.engine.batch_invariant else {}),
     }
-
-
-def resolved_dtype(config: JobConfig):
-    """The run's dtype and why (a cpu_features.DtypeChoice): the engine's own rule, which needs no model."""
-    from batchgen.engine.startup import resolve_device, resolve_dtype
-
-    return resolve_dtype(config.dtype, resolve_device(config.device))
 
 
 def input_files(inputs: InputFiles) -> list[dict[str, Any]]:
@@ -212,15 +215,11 @@ def take_output(job: PreparedJob, overwrite: bool) -> None:
     """Lock the output, clear it (--overwrite) and read what earlier runs committed. The output is checked again
     once locked: a run that held the lock may have finished it (or committed more) since the first check. An
     object-store output's lock is its lease (output/lease.py)."""
-    if isinstance(job.out, ObjectOutput):
-        job.out.take_lease()
-    else:
-        job.lock_fd = lock_output(job.out)
+    job.out.lock()
     try:
-        job.complete = check_output_at(job.out, job.fingerprint, overwrite, job.run_schema)
+        job.complete = check_output(job.out, job.fingerprint, overwrite, job.run_schema)
         if job.complete is not None:  # finished by the run that held the lock (or lease)
-            if isinstance(job.out, OutputDir):
-                shutil.rmtree(job.out.tmp, ignore_errors=True)  # while locked, so that no other run holds this lock
+            job.out.discard_scratch()
             job.release()
             return
         if overwrite:
@@ -230,61 +229,6 @@ def take_output(job: PreparedJob, overwrite: bool) -> None:
     except BaseException:
         job.release()
         raise
-
-
-def lock_output(out: OutputDir) -> int:
-    """One run per output at a time (a cron overlap must not interleave parts). The lock dies with the process."""
-    out.path.mkdir(parents=True, exist_ok=True)
-    fd = _locked_file(out)
-    try:
-        with tempfile.TemporaryFile(dir=out.path, prefix=".batchgen-probe-"):
-            pass  # a read-only output directory fails now, not at the first commit
-        out.prepare_tmp()
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def lock_holder(out: OutputDir) -> int | None:
-    """The pid holding a running batchgen's lock on this output, from /proc/locks (Linux) without touching the
-    lock: taking it, even for an instant, could make a run that starts then fail."""
-    lock = out.tmp / "lock"  # lock_output's file
-    try:
-        stat = lock.stat()
-        table = Path("/proc/locks").read_text()
-    except OSError:
-        return None
-    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
-    for line in table.splitlines():
-        fields = line.split()
-        if "FLOCK" in fields and device in fields:
-            return int(fields[fields.index(device) - 1])
-    return None
-
-
-def _locked_file(out: OutputDir) -> int:
-    """The lock file, opened and locked. A run that finishes removes the temp directory with the lock in it: a
-    lock taken on that removed file would lock nothing, so the file locked must still be the one at the path."""
-    path = out.tmp / "lock"
-    for _ in range(10):
-        out.make_tmp()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.path.exists(path) and os.stat(path).st_ino == os.fstat(fd).st_ino:
-                return fd
-        except BlockingIOError:
-            os.close(fd)
-            holder = lock_holder(out)
-            raise OutputBusy(f"output.path: another batchgen run is writing {out.path}"
-                             f"{'' if holder is None else f' (pid {holder})'}; retry once it has finished") from None
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)  # removed or replaced after we opened it: open the one there now
-    raise JobConfigError(f"output.path: the lock file {path} keeps being replaced; is another batchgen run "
-                         f"starting and finishing on {out.path}?")
 
 
 def check_input_unchanged(job: PreparedJob) -> None:

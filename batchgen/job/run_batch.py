@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .keys import JobConfigError
-from .output.sink import FINAL_PART
+from .output.parts import FINAL_PART
 
 WORK_SUFFIX = ".batchgen"
 # As OpenAI's and vLLM's endpoints: a request without a temperature samples at 1.0, and one without max_tokens

@@ -16,11 +16,9 @@ from .config import ROW_SAMPLING_KEYS
 from .executors import ExecutorRun, executor_for
 from .output.final_formats import FinalFormat
 from .output.final_rewrite import RowTotals, apply_rewrite, finalize
-from .output.object_output import ObjectOutput, apply_object_rewrite, finalize_objects
 from .output.part_writer import PartWriter
-from .output.sink import final_part_schema
-from .output.sink import TIMELINE
-from .prepare import PreparedJob, check_input_unchanged, fingerprint_text, resolved_dtype
+from .output.parts import TIMELINE, final_part_schema
+from .prepare import PreparedJob, check_input_unchanged, engine_target, fingerprint_text
 from .report import JobReport
 from .timeline import SAMPLE_INTERVAL_S, Timeline, parse_timeline
 
@@ -35,6 +33,8 @@ class Progress:
     rows_done: int  # including rows committed by earlier runs
     started: float = field(default_factory=time.monotonic)
     generation_started: float | None = None  # once the model is loaded
+    generation_finished: float | None = None  # once the executor returned (the last row's results in)
+    kernel_build_s: float = 0.0  # of the model load: compiling the C++ CPU kernels (once per machine; 0 if cached)
     rows_this_run: int = 0
     output_tokens: int = 0
     prompt_tokens: int = 0  # of generated rows
@@ -91,6 +91,13 @@ class Progress:
         return time.monotonic() - self.started
 
     @property
+    def generation_s(self) -> float:
+        """The job's own generation: from the model ready to the last row (0.0 when nothing was generated)."""
+        if self.generation_started is None:
+            return 0.0
+        return (self.generation_finished or time.monotonic()) - self.generation_started
+
+    @property
     def output_tokens_per_s(self) -> float:
         """Since the model finished loading."""
         since = self.generation_started or self.started
@@ -107,9 +114,8 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
     On failure, every result received so far is committed before the exception propagates."""
     config, out = job.config, job.out
     try:
-        in_store = isinstance(out, ObjectOutput)
         if out.pending_rewrite() is not None:  # an earlier run crashed while moving its final parts into place
-            return apply_object_rewrite(out) if in_store else apply_rewrite(out)
+            return apply_rewrite(out)
         started_at = datetime.now(timezone.utc)
         done = job.done = job.done if job.done is not None else out.done_rows(job.inputs.total_rows)
         fingerprint = fingerprint_text(job.fingerprint)
@@ -139,7 +145,10 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
                 row_keys = [key for key in ROW_SAMPLING_KEYS if key in job.inputs.column_types]
                 if row_keys:  # a column named `n` or `choice` is easily someone's data: say what it does here
                     log.info("input columns that set sampling per row: %s", ", ".join(row_keys))
+                built = kernel_build_seconds()
                 run = executor_for(config.executor.kind).run(job, writer, notify, started, progress.engine_sample)
+                progress.generation_finished = time.monotonic()
+                progress.kernel_build_s = kernel_build_seconds() - built
                 for lane, stats in run.final_stats().items():  # the final ones, for metrics and the timeline
                     progress.engine_sample(lane, stats, force=True)
             timeline.observe_job(progress.rows_done, progress.error_rows, progress.output_tokens, force=True)
@@ -152,12 +161,18 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
         out.write_text(TIMELINE, json.dumps(final_timeline))
         summarize = lambda totals: build_summary(job, totals, progress, run, started_at)
         report = JobReport(out.path, final_timeline) if config.output.report else None
-        final = finalize_objects if in_store else finalize
         fmt = FinalFormat(config.output.format, model=config.model, chat=bool(config.input.chat_template))
-        return final(out, final_part_schema(job.schema, fingerprint), job.inputs.total_rows,
-                     config.output.order, config.output.rows_per_part, summarize, report, fmt)
+        return finalize(out, final_part_schema(job.schema, fingerprint), job.inputs.total_rows,
+                        config.output.order, config.output.rows_per_part, summarize, report, fmt)
     finally:
         job.release()
+
+
+def kernel_build_seconds() -> float:
+    """Seconds this process has spent compiling the C++ CPU kernels (cpu_build.py): a machine's first run only."""
+    from batchgen_kernels.cpu_build import build_seconds
+
+    return build_seconds()
 
 
 def _commit_quietly(*steps: Callable[[], None]) -> None:
@@ -188,7 +203,8 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
     engine_stats = run.engine_stats
     wall_s = progress.elapsed_s
     peak = max(engine_stats.get("peak_memory_bytes", 0), peak_rss_bytes())
-    dtype = resolved_dtype(job.config)
+    # The engine reports its dtype and why (its plan); where no engine ran here, the job's resolved target says it.
+    target = None if {"dtype", "dtype_reason"} <= engine_stats.keys() else job.target or engine_target(job.config)
     from batchgen.machine import machine_info
     from batchgen.versions import library_versions
     summary = {
@@ -204,7 +220,9 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
         if totals.generated_prompt_tokens else 0.0,
         "preemptions": totals.preemptions,
         "wall_s": wall_s,
-        "output_tokens_per_s": progress.output_tokens / wall_s if wall_s > 0 else 0.0,
+        "generation_s": progress.generation_s,  # from the model ready to the last row
+        "kernel_build_s": progress.kernel_build_s,  # of the wall time: the C++ CPU kernels compiled (0.0: cached)
+        "output_tokens_per_s": progress.output_tokens / progress.generation_s if progress.generation_s > 0 else 0.0,
         "cost_per_hour": job.cost_per_hour,
         "tokens_per_dollar": progress.output_tokens / (wall_s / 3600 * job.cost_per_hour)
         if job.cost_per_hour and wall_s > 0 else None,
@@ -213,8 +231,8 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
         "peak_memory_bytes": peak,
         "memory_bound_bytes": memory_bound(engine_stats),
         "model": job.fingerprint["model"],  # as the fingerprint pins it: a hub id with its commit
-        "dtype": engine_stats.get("dtype", dtype.name),
-        "dtype_reason": engine_stats.get("dtype_reason", dtype.reason),
+        "dtype": engine_stats["dtype"] if target is None else target.dtype.name,
+        "dtype_reason": engine_stats["dtype_reason"] if target is None else target.dtype.reason,
         "started_at": started_at.isoformat(),
         "finished_at": datetime.now(timezone.utc).isoformat(),
         "engine_stats": engine_stats,

@@ -1,4 +1,5 @@
-"""Checks of the executor: and storage: sections' values, beyond their YAML types (config.py runs them)."""
+"""Checks of the executor: and storage: sections' values, beyond their YAML types (config.py runs them). The sections
+themselves are leaves below both: executor_config.py and batchgen/object_store.py (StorageConfig)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,7 +9,7 @@ from .keys import JobConfigError
 if TYPE_CHECKING:
     from batchgen.object_store import StorageConfig
 
-    from .config import ExecutorConfig
+    from .executor_config import ExecutorConfig
 
 
 def check_executor(cfg: ExecutorConfig) -> None:

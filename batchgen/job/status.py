@@ -4,16 +4,15 @@ the run: rows done of the total, whether a run is writing it, the rate over its 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from batchgen.object_store import StorageConfig
 
 from .config import JobConfigError
 from .missing_bucket import bucket_must_exist
-from .output.lease import holder_text
-from .output.object_output import ObjectOutput, live_holder, open_output
-from .output.sink import FINGERPRINT_KEY, OutputDir, PartFile, part_metadata
+from .output.open_output import open_output
+from .output.parts import FINGERPRINT_KEY, part_metadata
+from .output.store import OutputStore
 
 RATE_COMMITS = 10  # the rate is measured over the last this many commits
 
@@ -24,7 +23,7 @@ def output_status(path: str, storage: StorageConfig = StorageConfig()) -> dict[s
         return _status(open_output(path, storage), path)
 
 
-def _status(out: OutputDir | ObjectOutput, path: str) -> dict[str, Any]:
+def _status(out: OutputStore, path: str) -> dict[str, Any]:
     success = out.success()
     if success is not None and "fingerprint" in success:
         return {"output": str(out.path), "state": "finished", "rows_done": success.get("rows"),
@@ -34,8 +33,8 @@ def _status(out: OutputDir | ObjectOutput, path: str) -> dict[str, Any]:
     if foreign:
         raise JobConfigError(f"output: {path} holds files batchgen did not write ({', '.join(foreign[:3])}): it is "
                              f"not a batchgen output")
-    holder = _holder(out)
-    commits = sorted(((_commit_time(part), part) for part in out.run_parts()), key=lambda commit: commit[0])
+    holder = out.holder()
+    commits = sorted(((out.commit_time(part), part) for part in out.run_parts()), key=lambda commit: commit[0])
     if not commits and holder is None and out.pending_rewrite() is None:
         raise JobConfigError(f"output: {path} holds no batchgen output (no run parts, no _SUCCESS, no run writing it)")
     fingerprint, n = {}, 1
@@ -55,20 +54,6 @@ def _status(out: OutputDir | ObjectOutput, path: str) -> dict[str, Any]:
     return {"output": str(out.path), "state": state, "rows_done": done, "rows_total": total, "holder": holder,
             "rows_per_s": rate, "eta_s": (total - done) / rate if rate and total is not None else None,
             "last_commit_at": recent[-1][0] if recent else None}
-
-
-def _holder(out: OutputDir | ObjectOutput) -> str | None:
-    if isinstance(out, ObjectOutput):
-        holder = live_holder(out)
-        return None if holder is None else holder_text(holder)
-    from .prepare import lock_holder
-
-    pid = lock_holder(out)
-    return None if pid is None else f"pid {pid}"
-
-
-def _commit_time(part: PartFile) -> float:
-    return part.modified if not isinstance(part, Path) else part.stat().st_mtime
 
 
 def format_status(status: dict[str, Any]) -> str:

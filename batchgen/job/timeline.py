@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from .output.sink import SIDE_FILE_MARKS, TIMELINE
+from .output.parts import SIDE_FILE_MARKS, TIMELINE
 
 FORMAT = SIDE_FILE_MARKS[TIMELINE] + "1"  # "batchgen-timeline/1"
 SAMPLE_INTERVAL_S = 0.25  # at first: a lane's interval doubles each time it fills

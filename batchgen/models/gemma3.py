@@ -5,7 +5,8 @@ What sets it apart from Llama: the embedding scaled by sqrt(hidden); RMSNorm wei
 the product in fp32 before the cast); four norms per layer (before and after attention and MLP); q/k norms; a
 GELU-tanh gate; the attention scale 1/sqrt(query_pre_attn_scalar); and layers of two kinds (config.layer_types):
 `sliding_attention` layers see only their last `sliding_window` keys and rotate with their own RoPE base
-(rope_local_base_freq), `full_attention` layers see the whole context.
+(rope_local_base_freq), `full_attention` layers see the whole context. The attention is llama.py's `SelfAttention`,
+given Gemma's q/k norm, scale and each layer's window.
 """
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from torch import nn
 from batchgen_kernels import AttentionMetadata
 from batchgen_kernels.elementwise import TorchElementwise
 
-from .attention import Attention
-from .llama import (CausalLM, LlamaVariant, RotaryEmbedding, attention_heads, inv_freq_of,
+from .llama import (CausalLM, LlamaVariant, RotaryEmbedding, SelfAttention, attention_heads, inv_freq_of,
                     uninitialized_embedding)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -54,35 +54,6 @@ def rope_settings(config) -> dict[str, dict]:
     return {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": config.rope_local_base_freq}}
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config, head_dim: int, num_kv_heads: int, sliding: bool) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.q_size = self.num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.kind = SLIDING if sliding else FULL
-        self.attn = Attention(self.num_heads, num_kv_heads, head_dim, scale=config.query_pre_attn_scalar ** -0.5,
-                              sliding_window=config.sliding_window if sliding else None)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, md: AttentionMetadata,
-                ops) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(tokens, self.q_size)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(tokens, self.kv_size)
-        q, k = ops.rope_qk(torch.cat((q, k, v), dim=-1), positions, rope.cos, rope.sin, self.num_heads,
-                           self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v.reshape(tokens, self.num_kv_heads, self.head_dim), md)
-        return self.o_proj(out.reshape(tokens, self.q_size))
-
-
 class Gemma3MLP(nn.Module):
     """down(gelu_tanh(gate(x)) * up(x)), gate and up in one matmul."""
 
@@ -100,7 +71,11 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config, head_dim: int, num_kv_heads: int, sliding: bool) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, head_dim, num_kv_heads, sliding)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.kind = SLIDING if sliding else FULL  # which RoPE table the attention rotates with
+        self.self_attn = SelfAttention(config, head_dim, num_kv_heads, qkv_bias=bias, o_proj_bias=bias,
+                                       qk_norm=GemmaRMSNorm, scale=config.query_pre_attn_scalar ** -0.5,
+                                       sliding_window=config.sliding_window if sliding else None)
         self.mlp = Gemma3MLP(config)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -160,7 +135,7 @@ class Gemma3ForCausalLM(CausalLM):
         # the scale in the weights' dtype, as transformers rounds it (sqrt(640) in bf16 is 25.25, not 25.30)
         hidden = embed(input_ids) * torch.tensor(self.config.hidden_size ** 0.5, dtype=embed.weight.dtype)
         for layer in self.model.layers:
-            rope = self.rotary_emb_local if layer.self_attn.kind == SLIDING else self.rotary_emb
+            rope = self.rotary_emb_local if layer.kind == SLIDING else self.rotary_emb
             hidden = layer(hidden, positions, rope, attn_metadata, self.ops)
         return self.model.norm(hidden)
 

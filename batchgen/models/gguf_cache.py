@@ -10,17 +10,18 @@ import json
 import logging
 import os
 import shutil
-import struct
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from batchgen_kernels.host import cache_root  # the one definition, shared with the kernels' build
 from batchgen.user_files import (MODEL_CONFIG_LIMIT, TOKENIZER_FILE_LIMIT, UserFileError, check_regular_file,
                                  read_user_text)
 
 from .registry import ModelError
+from .safetensors_header import SafetensorsHeaderError, read_safetensors_header
 
 logger = logging.getLogger("batchgen")
 
@@ -28,8 +29,6 @@ logger = logging.getLogger("batchgen")
 _CONVERSION_FORMAT = 1
 # A converted model's list of its files and their sizes, written last (json: {"files": {name: bytes}}).
 CACHE_MANIFEST = "batchgen-manifest.json"
-# safetensors refuses headers above 100 MB; a length field above that is damage.
-_SAFETENSORS_MAX_HEADER = 100 * 2**20
 
 __all__ = ["CACHE_MANIFEST", "CacheDirError", "cache_root", "check_cache_can_take", "check_file", "converted_gguf",
            "is_cache_entry", "read_json", "writable_cache_dir"]
@@ -37,10 +36,6 @@ __all__ = ["CACHE_MANIFEST", "CacheDirError", "cache_root", "check_cache_can_tak
 
 class CacheDirError(ModelError):
     """batchgen's cache directory (BATCHGEN_CACHE_DIR, or ~/.cache/batchgen) cannot be created or written."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
 
 
 def writable_cache_dir(name: str) -> Path:
@@ -158,21 +153,17 @@ def _entry_problem(entry: Path) -> str | None:
 def _safetensors_problem(path: Path) -> str | None:
     """Whether the file's size is what its header says (8 bytes of header length, the JSON header, the data)."""
     size = check_file(path)
-    with open(path, "rb") as file:
-        head = file.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-        if length is None or length > _SAFETENSORS_MAX_HEADER or 8 + length > size:
-            return "is cut short (no complete header)"
-        try:
-            header = json.loads(file.read(length))
-            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-                      default=0)
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            return "has a damaged header"
+    try:
+        header = read_safetensors_header(path)
+        end = max((entry["data_offsets"][1] for entry in header.entries.values()), default=0)
+    except SafetensorsHeaderError as exc:
+        return "is cut short (no complete header)" if exc.reason == "bad header length" else "has a damaged header"
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return "has a damaged header"
     if not isinstance(end, int):
         return "has a damaged header"
-    if 8 + length + end != size:
-        return f"is {size:,} bytes where its header says {8 + length + end:,} (cut short or damaged)"
+    if header.data_start + end != size:
+        return f"is {size:,} bytes where its header says {header.data_start + end:,} (cut short or damaged)"
     return None
 
 

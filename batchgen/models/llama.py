@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -98,7 +99,14 @@ class RotaryEmbedding(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, head_dim: int, num_kv_heads: int) -> None:
+    """Fused Q/K/V, optional per-head q/k norms before RoPE, paged attention, the output projection: the one attention
+    of every architecture (gemma3.py's too), whose differences are arguments: the biases, the q/k norm's class
+    (Qwen3's RMSNorm, Gemma's (1 + w) one), the scale (default 1/sqrt(head_dim)) and the layer's sliding window.
+    The RoPE table is forward's argument: the caller picks it per layer kind."""
+
+    def __init__(self, config, head_dim: int, num_kv_heads: int, *, qkv_bias: bool = False, o_proj_bias: bool = False,
+                 qk_norm: Callable[[int, float], nn.Module] | None = None, scale: float | None = None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = num_kv_heads
@@ -106,14 +114,15 @@ class SelfAttention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=variant.o_proj_bias)
-        if variant.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_proj_bias)
+        if qk_norm is not None:
+            self.q_norm = qk_norm(head_dim, config.rms_norm_eps)
+            self.k_norm = qk_norm(head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(self.num_heads, num_kv_heads, head_dim, scale=head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, num_kv_heads, head_dim,
+                              scale=head_dim ** -0.5 if scale is None else scale, sliding_window=sliding_window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, md: AttentionMetadata,
                 ops) -> torch.Tensor:
@@ -146,7 +155,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config, variant: LlamaVariant, head_dim: int, num_kv_heads: int) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(config, variant, head_dim, num_kv_heads)
+        self.self_attn = SelfAttention(config, head_dim, num_kv_heads, qkv_bias=variant.qkv_bias,
+                                       o_proj_bias=variant.o_proj_bias, qk_norm=RMSNorm if variant.qk_norm else None)
         self.mlp = MLP(config, variant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import struct
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +21,7 @@ from .checkpoint_files import check_model_files, weight_files
 from .gguf_cache import check_cache_can_take, check_file, converted_gguf, is_cache_entry, read_json
 from .gguf_metadata import gguf_has_key
 from .hub import hub_snapshot, parse_hub_id
+from .inspector import checkpoint_sources, checkpoint_variant
 from .llama import LlamaForCausalLM
 from .packed_linear import PackedLinear
 from .upcast_linear import UpcastLinear, upcast_supported
@@ -32,7 +32,7 @@ from .weight_reader import ShardReader, Staging
 
 # Checkpoint entries that are derived state, not weights: older Llama checkpoints saved the RoPE frequencies.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# quantize_model's options as the loader applies them, layer by layer (scripts/quant_quality.py varies them).
+# quantize_model's options as the loader applies them, layer by layer (dev/quant_quality.py varies them).
 INT8_OPTIONS = {"lm_head": True, "activations": None}  # None: the quantization setting's (QUANTIZED_ACTIVATIONS)
 
 # The smallest encodings of a GGUF metadata entry and tensor info, to tell a header's counts from random bytes.
@@ -178,8 +178,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
             stack.callback(shard.close)
             for name in shard.keys():
                 shard_of[name] = shard
-        if "lm_head.weight" not in shard_of:
-            variant = replace(variant, tie_word_embeddings=True)
+        variant = checkpoint_variant(variant, shard_of)  # no lm_head.weight: tied (the inspector's rule)
         model = _build_on_meta(config, variant, model_dir)
         sources = checkpoint_sources(model)
         _check_names(sources, shard_of, variant.tie_word_embeddings, model_dir)
@@ -253,19 +252,6 @@ def _build_on_meta(config, variant, model_dir: Path) -> LlamaForCausalLM:
             return build_model(config, variant)
     except ValueError as exc:  # a setting our model does not implement (e.g. a RoPE type)
         raise UnsupportedModelError(f"{model_dir}: {exc}") from None
-
-
-def checkpoint_sources(model: LlamaForCausalLM) -> dict[str, list[str]]:
-    """Each of our parameters → the checkpoint tensors (transformers' names) it is made of, in concatenation order."""
-    sources = {}
-    for name, _ in model.named_parameters():  # a tied lm_head is the embedding, so it is not listed again
-        if ".qkv_proj." in name:
-            sources[name] = [name.replace(".qkv_proj.", f".{part}.") for part in ("q_proj", "k_proj", "v_proj")]
-        elif ".gate_up_proj." in name:
-            sources[name] = [name.replace(".gate_up_proj.", f".{part}.") for part in ("gate_proj", "up_proj")]
-        else:
-            sources[name] = [name]
-    return sources
 
 
 def _check_names(sources: dict[str, list[str]], available: dict, tied: bool, model_dir: Path) -> None:

@@ -43,7 +43,7 @@ class PackedLinear(nn.Module):
 def packed_linear_rows(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                        batch_invariant: bool) -> torch.Tensor:
     """oneDNN's packed matmul. On AVX-512 CPUs it takes another kernel (a GEMV) for a single row, whose bits differ
-    from that row's in any larger call (fp32 at every shape probed, bf16 at some: scripts/batch_invariance_probe.py);
+    from that row's in any larger call (fp32 at every shape probed, bf16 at some: dev/batch_invariance_probe.py);
     from 2 rows on a row's bits do not depend on the row count. So where they must not, one row is computed as two."""
     if batch_invariant and x.numel() == x.shape[-1]:
         pair = x.reshape(1, -1).expand(2, -1).contiguous()

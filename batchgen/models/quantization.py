@@ -5,9 +5,9 @@ Each weight matrix [out, in] becomes int8 with one fp32 scale per output channel
 
 - CPU, the default: W8A8 dynamic. Each token's activations are quantized on the fly to int8 with one scale per
   token, `torch._int_mm` multiplies int8 x int8 into int32 (oneDNN, VNNI where the CPU has it) and the two scales
-  rescale the result in fp32. A whole engine run (32 rows x 64 tokens, scripts/microbench_int8.py) on a 2-core
+  rescale the result in fp32. A whole engine run (32 rows x 64 tokens, dev/microbench_int8.py) on a 2-core
   AVX512-VNNI EPYC: 1.15x fp32, but slower than bf16 (1.28x vs 1.55x fp32) now that plain Linears run on oneDNN's
-  packed kernels: int8 saves memory here, not time. It costs quality: perplexity +4.5% (scripts/quant_quality.py),
+  packed kernels: int8 saves memory here, not time. It costs quality: perplexity +4.5% (dev/quant_quality.py),
   mostly from the int8 inputs of qkv, gate_up and the LM head.
 - CPU with bf16/fp16 activations and `weight_only` (`quantization: int8-weight-only`): `aten._weight_int8pack_mm`
   (the activations stay in the model's dtype). It reads half the bytes of bf16 weights, so it is fastest where a

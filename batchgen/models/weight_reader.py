@@ -7,28 +7,16 @@ that is cast into it), so the page cache holds the file and the process holds on
 """
 from __future__ import annotations
 
-import json
 import math
-import struct
 from pathlib import Path
 
 import torch
 
+from .safetensors_header import read_safetensors_header
+
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
-
-
-def checkpoint_numel(files: list[Path]) -> int:
-    """How many numbers the shards hold, from their headers alone."""
-    total = 0
-    for file in files:
-        reader = ShardReader(file)
-        try:
-            total += sum(math.prod(entry["shape"]) for entry in reader.entries.values())
-        finally:
-            reader.close()
-    return total
 
 
 class ShardReader:
@@ -37,11 +25,13 @@ class ShardReader:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.file = open(self.path, "rb", buffering=0)
-        (length,) = struct.unpack("<Q", self.file.read(8))
-        header = json.loads(self.file.read(length))
-        header.pop("__metadata__", None)
-        self.base = 8 + length
-        self.entries = header
+        try:
+            header = read_safetensors_header(self.path, self.file)
+        except BaseException:
+            self.file.close()
+            raise
+        self.base = header.data_start
+        self.entries = header.entries
 
     def keys(self):
         return self.entries.keys()

@@ -25,7 +25,7 @@ def available() -> bool:
 def preferred() -> bool:
     """Whether `auto` should use these kernels: built, and for a CPU with AVX-512. Built for AVX2 their 16-lane
     vectors are split and spilled, and the attention kernels ran several times slower than the torch reference
-    (`BATCHGEN_CPU_MARCH=x86-64-v3 BATCHGEN_CACHE_DIR=/tmp/avx2 python scripts/microbench_attention.py cpu-prefill`)."""
+    (`BATCHGEN_CPU_MARCH=x86-64-v3 BATCHGEN_CACHE_DIR=/tmp/avx2 python dev/microbench_attention.py cpu-prefill`)."""
     return available() and torch.ops.batchgen.wide_vectors()
 
 

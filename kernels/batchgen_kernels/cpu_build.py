@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from .host import cache_root, cpuinfo_line
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -62,20 +64,15 @@ MAIN = LibrarySpec(LIBRARY_NAME, tuple(SOURCES), tuple(HEADERS))
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept (the same root as loader.cache_root, which this package cannot import)."""
-    root = Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
-    return root / "kernels"
+    """Where built kernels are kept: under batchgen's cache root (host.py, the one definition)."""
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux: /proc/cpuinfo), else what platform knows of it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
+    """The CPU's feature flags (Linux: /proc/cpuinfo's flags, or an ARM's Features), else what platform knows."""
+    line = cpuinfo_line(("flags", "Features"))
+    if line is not None:
+        return " ".join(sorted(line.split()))
     return f"{platform.machine()} {platform.processor()}"
 
 
@@ -184,8 +181,18 @@ def _write_atomically(path: Path, text: str) -> None:
             os.unlink(partial)
 
 
+_built_seconds = 0.0  # compiling libraries, in this process (build_seconds)
+
+
+def build_seconds() -> float:
+    """Seconds this process has spent compiling kernel libraries so far (0.0 when each came from the cache): the
+    one-off cost of a machine's first run, which the run's summary shows apart from its throughput."""
+    return _built_seconds
+
+
 def build_and_load(spec: LibrarySpec) -> None:
     """Build `spec` unless the cache holds it intact, and load it into this process; raises what went wrong."""
+    global _built_seconds
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
@@ -199,6 +206,7 @@ def build_and_load(spec: LibrarySpec) -> None:
             (logger.warning if damaged else logger.info)(
                 "CPU kernels: not loading the cached %s: %s; building it again", target, problem)
         seconds = build(compiler, target, spec)
+        _built_seconds += seconds
         logger.info("CPU kernels: built %s in %.1f s (cached for later runs)", target, seconds)
     torch.ops.load_library(str(target))
 

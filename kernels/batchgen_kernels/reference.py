@@ -89,7 +89,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                              attn_mask=mask, is_causal=mask is None, scale=scale)
         return out[0].transpose(0, 1)
     # 16-bit after a cached prefix: two batched matmuls per KV head (its query heads stacked) beat the masked flash
-    # kernel ~2x on the CPU (scripts/microbench_attention.py prefill); in fp32 (MKL's bmm) it is the other way round.
+    # kernel ~2x on the CPU (dev/microbench_attention.py prefill); in fp32 (MKL's bmm) it is the other way round.
     qg = q.view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, dim)
     scores = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scale).view(kv_heads, group, q_len, seq_len)
     rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)

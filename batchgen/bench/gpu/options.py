@@ -5,11 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 from datetime import datetime, timezone
-from pathlib import Path
 
 from .shapes import MODEL_CONFIGS
-
-SOURCE_TREE = Path(__file__).resolve().parents[3]  # the checkout: tests/ and kernels/ beside batchgen/
 
 MODES = ("full", "quick", "dry-run")
 

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .options import SOURCE_TREE
 from .step_record import step_path, write_json
 
 TAIL_LINES = 80  # of a step's output, kept in its JSON when it ends without its own record
@@ -29,11 +28,10 @@ class ChildRun:
 
 
 def child_environment() -> dict:
-    """The steps import batchgen and batchgen_kernels from this source tree, however the check was started; and
-    print as they go, without progress bars (the log's end is what a cut-short run returns)."""
-    paths = [str(SOURCE_TREE), str(SOURCE_TREE / "kernels"), os.environ.get("PYTHONPATH")]
-    return {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)),
-            "PYTHONUNBUFFERED": "1"}
+    """The steps start as the check did (the same interpreter, directory and PYTHONPATH: the same batchgen, a
+    checkout's or an installed one); and print as they go, without progress bars (the log's end is what a cut-short
+    run returns)."""
+    return {"HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def run_child(command: list[str], timeout_s: float, log) -> ChildRun:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def _verdict(record: dict) -> str:
     if record.get("ok"):
-        return "ok"
+        return "skip" if record.get("skipped") else "ok"
     return "FAIL" if record.get("finished") else "STOP"
 
 
@@ -27,6 +27,8 @@ def _detail(record: dict) -> str:
                 f"{versions.get('torch')}, triton {versions.get('triton')}, transformers {versions.get('transformers')}")
         return text + (f"; missing: {', '.join(missing)}" if missing else "")
     if name == "kernel_tests":
+        if record.get("skipped"):
+            return f"skipped: {record['skipped']}"
         counts = record.get("counts") or {}
         return ", ".join(f"{counts.get(k, 0)} {k}" for k in ("passed", "failed", "error", "skipped"))
     if name == "greedy":

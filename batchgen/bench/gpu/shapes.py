@@ -1,9 +1,15 @@
 """The GPU check's models: Llama-3 configs of real shapes (built with random weights in the run), their parameter
 counts, and the floor of a decode step: its bytes read at the measured copy bandwidth or its FLOPs at the measured
-matmul rate, whichever takes longer."""
+matmul rate, whichever takes longer. A shape is the model inspector's description of the config (the model the
+engine builds from it: models/inspector.py), its KV bytes per token the engine plan's (engine/engine_plan.py)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.engine_plan import kv_bytes_per_token
+from batchgen.models.inspector import ModelDescription, describe_config
 
 _LLAMA3 = dict(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu", bos_token_id=128000, eos_token_id=128001,
@@ -23,23 +29,31 @@ MODEL_CONFIGS["tiny"] = dict(_LLAMA3, vocab_size=512, hidden_size=64, intermedia
 MODEL_NAMES = {"1b": "Llama-3.2-1B shape", "8b": "Llama-3.1-8B shape", "tiny": "tiny Llama-3 (dry runs)"}
 
 
+# Bytes per number -> the dtype the KV formula is given (the floor's arithmetic counts bytes).
+_DTYPE_OF_BYTES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
+    """The floor's view of a model's description."""
+
+    model: ModelDescription
 
     @classmethod
     def from_config(cls, c: dict) -> "ModelShape":
-        heads = c["num_attention_heads"]
-        return cls(c["hidden_size"], c["num_hidden_layers"], heads, c.get("num_key_value_heads") or heads,
-                   c.get("head_dim") or c["hidden_size"] // heads, c["intermediate_size"], c["vocab_size"],
-                   bool(c.get("tie_word_embeddings", False)))
+        """LlamaConfig keyword arguments (MODEL_CONFIGS'), described as the engine would build them."""
+        from transformers import LlamaConfig
+
+        return cls(describe_config(LlamaConfig(**c)))
+
+    hidden = property(lambda self: self.model.hidden_size)
+    layers = property(lambda self: self.model.num_layers)
+    heads = property(lambda self: self.model.num_heads)
+    kv_heads = property(lambda self: self.model.num_kv_heads)
+    head_dim = property(lambda self: self.model.head_dim)
+    intermediate = property(lambda self: self.model.intermediate_size)
+    vocab = property(lambda self: self.model.vocab_size)
+    tied = property(lambda self: self.model.tie_word_embeddings)
 
     @property
     def layer_matmul_params(self) -> int:
@@ -54,12 +68,15 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
-        norms = (2 * self.layers + 1) * self.hidden
-        embedding = 0 if self.tied else self.vocab * self.hidden  # tied: the lm_head is the embedding
-        return self.matmul_params + norms + embedding
+        """Every parameter, a tied LM head once (the description's count)."""
+        return self.model.parameters
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+        return kv_bytes_per_token(self.model, _DTYPE_OF_BYTES[dtype_bytes])
+
+    def describe(self) -> dict:
+        return {"hidden": self.hidden, "layers": self.layers, "heads": self.heads, "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim, "intermediate": self.intermediate, "vocab": self.vocab, "tied": self.tied}
 
 
 def decode_step_cost(shape: ModelShape, batch_size: int, total_context: int, dtype_bytes: int = 2) -> dict:
@@ -86,4 +103,4 @@ def decode_floor(cost: dict, copy_bandwidth: float, matmul_rate: float) -> dict:
 def describe_model(key: str) -> dict:
     """What the step records about its model."""
     shape = ModelShape.from_config(MODEL_CONFIGS[key])
-    return {"key": key, "name": MODEL_NAMES[key], "params": shape.num_params, "shape": asdict(shape)}
+    return {"key": key, "name": MODEL_NAMES[key], "params": shape.num_params, "shape": shape.describe()}

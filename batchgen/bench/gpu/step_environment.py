@@ -11,8 +11,9 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
+from batchgen.bench.checkout import git_commit
+
 from .device import describe_device
-from .options import SOURCE_TREE
 
 
 def module_version(name: str) -> str | None:
@@ -52,10 +53,6 @@ def libcuda() -> dict:
     except OSError as exc:
         return {"loads": False, "reason": str(exc)}
     return {"loads": True}
-
-
-def git_commit() -> str | None:
-    return first_line(["git", "-C", str(SOURCE_TREE), "rev-parse", "HEAD"])
 
 
 def run_environment(args, record) -> bool:

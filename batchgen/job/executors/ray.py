@@ -154,7 +154,7 @@ def run_on_ray(config: JobConfig, inputs: Any, done: bytearray, engine_args: Any
     """Generate every row not in `done` on `config.executor.replicas` replicas, calling write(row, id, kept
     values, results, parse_json, replica) once per row (a row a retried window returns again is dropped), and
     on_stats(`replica N`, its engine stats) as each replica's arrive. Returns the per-replica totals for _SUCCESS.
-    `replica_class`: an EngineReplica (scripts/driver_throughput.py passes one whose engine answers instantly)."""
+    `replica_class`: an EngineReplica (dev/driver_throughput.py passes one whose engine answers instantly)."""
     import ray
     import ray.data
 

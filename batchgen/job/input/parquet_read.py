@@ -38,7 +38,7 @@ def open_parquet(path: InputFile) -> pq.ParquetFile:
     # pyarrow's default pre_buffer=True reads every selected column chunk of the file up front: memory would grow
     # with the input. Buffered reads of 1 MiB per column keep it to about a record batch. An object is read by range
     # requests of 8 MiB per column: each request waits out the store's latency, and 1 MiB ones read a 200k-row input
-    # 3x slower from a local S3 server (scripts/job_io_bench.py).
+    # 3x slower from a local S3 server (dev/job_io_bench.py).
     if isinstance(path, RemoteFile):
         return pq.ParquetFile(path.open(), page_checksum_verification=True, pre_buffer=False, buffer_size=8 << 20)
     return pq.ParquetFile(path, page_checksum_verification=True, pre_buffer=False, buffer_size=1 << 20)

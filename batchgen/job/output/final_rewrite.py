@@ -1,13 +1,12 @@
-"""The final rewrite of a job's output: the committed run parts rewritten into the final parts (input or
-completion order, without `_row`) and the job report, then `_SUCCESS`. Crash-safe: the final parts are built in the temp directory
-while the run parts stay; then a manifest (`_PLAN.json`: what to remove, what to move in, the summary) is
-committed, and applied (again, on resume, if interrupted)."""
+"""The final rewrite of a job's output, for either kind of store (store.py): the committed run parts rewritten into
+the final parts (input or completion order, without `_row`) and the job report, then `_SUCCESS`. Crash-safe: the
+final parts are written while the run parts stay (staged: in a local output's temp directory; in an object store,
+where readers see them, over any a killed rewrite left); then a manifest (`_PLAN.json`: what to remove, what to
+publish, the summary) is committed, and applied (again, on resume, if interrupted)."""
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
@@ -15,11 +14,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import sink  # its writes called through the module: tests stand in for them
-from .schema import ROW_COLUMN
+from .column_names import ROW_COLUMN
 from .final_formats import FinalFormat
-from .sink import (FINAL_PART, REPORT, REWRITE_MANIFEST, SUCCESS, OutputDir, PartFile, _row_statistics, in_row_order,
-                   part_metadata, read_part)
+from .parts import (FINAL_PART, REPORT, REWRITE_MANIFEST, SUCCESS, PartFile, in_row_order, part_metadata, read_part,
+                    row_statistics)
+from .store import OutputStore
 
 log = logging.getLogger(__name__)
 
@@ -76,64 +75,57 @@ def report_html(report: FinalReport | None, summary: dict) -> str | None:
         return None
 
 
-def finalize(out: OutputDir, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
+def finalize(out: OutputStore, schema: pa.Schema, total_rows: int, order: str, rows_per_part: int,
              summary: Callable[[RowTotals], dict], report: FinalReport | None = None,
              fmt: FinalFormat = FinalFormat()) -> dict:
-    """Rewrite the run parts as the final parts (input or completion order, without `_row`; `schema` is the
-    final parts', fingerprint included), the report, and write _SUCCESS. Crash-safe: the final parts are built in the
-    temp directory while the run parts stay; then a manifest naming what to remove and what to move in is committed,
-    and applied (again, on resume, if interrupted)."""
-    if out.staging.exists():
-        shutil.rmtree(out.staging)
-    out.staging.mkdir(parents=True)
-    run_parts = out.run_parts()
-    tables = ordered_tables(run_parts, total_rows, rows_per_part) if order == "input" \
-        else (read_part(p) for p in run_parts)
+    """Rewrite the run parts the ledger counts as the final parts (input or completion order, without `_row`;
+    `schema` is the final parts', fingerprint included), the report, and write _SUCCESS. Crash-safe: the final
+    parts are staged while the run parts stay; then a manifest naming what to remove and what to publish is
+    committed, and applied (again, on resume, if interrupted)."""
+    counted, superseded = out.ledger_parts(total_rows)
+    stale = [part.name for part in out.final_parts()]  # a killed rewrite's, where it wrote in place
+    out.begin_rewrite()
+    tables = ordered_tables(counted, total_rows, rows_per_part) if order == "input" \
+        else (read_part(p) for p in counted)
     totals, names = RowTotals(), []
     for index, table in enumerate(tables):  # each holds all of its input rows' samples: committed in one run part
         totals.add(table)
         if report is not None:
             report.add(table)
         for name, content in fmt.files(table.drop_columns([ROW_COLUMN]).cast(schema), index):
-            write_final(out, name, content)
+            out.write(name, content, staged=True)
             names.append(name)
     if not names:  # an empty input still gets one (empty) part, so that readers find a file
         for name, content in fmt.empty(schema):
-            write_final(out, name, content)
+            out.write(name, content, staged=True)
             names.append(name)
     if totals.rows != total_rows:
         raise RuntimeError(f"internal error: {totals.rows} rows committed for {total_rows} input rows")
+    for name in stale:  # a killed rewrite's parts beyond this one's
+        if name not in names:
+            out.delete(name)
     success = summary(totals)
     page = report_html(report, success)
     if page is not None:
-        sink.atomic_write_text(out.staging / REPORT, page)
-    manifest = {"remove": [p.name for p in run_parts], "add": names + ([REPORT] if page is not None else []),
+        out.write(REPORT, page, staged=True)
+    manifest = {"remove": [p.name for p in counted + superseded], "add": names + ([REPORT] if page is not None else []),
                 "success": success}
-    sink.atomic_write_text(out.staging / REWRITE_MANIFEST, json.dumps(manifest))
+    out.write(REWRITE_MANIFEST, json.dumps(manifest), staged=True)
     return apply_rewrite(out)
 
 
-def write_final(out: OutputDir, name: str, content: pa.Table | str) -> None:
-    if isinstance(content, pa.Table):
-        sink.atomic_write(content, out, name, directory=out.staging)
-    else:
-        sink.atomic_write_text(out.staging / name, content)
-
-
-def apply_rewrite(out: OutputDir) -> dict:
-    """Remove the run parts, move the final parts in, write _SUCCESS, remove the temp directory.
-    Every step can be repeated, so an interrupted apply is finished by applying again."""
+def apply_rewrite(out: OutputStore) -> dict:
+    """Remove the run parts, publish the final parts and the report, write _SUCCESS (naming the final parts), drop
+    the manifest and the scratch. Every step can be repeated, so an interrupted apply is finished by applying
+    again."""
     manifest = out.pending_rewrite()
     for name in manifest["remove"]:
-        (out.path / name).unlink(missing_ok=True)
-    for name in manifest["add"]:
-        if (out.staging / name).exists():
-            os.replace(out.staging / name, out.path / name)
-    sink._fsync(out.path)
+        out.delete(name)
+    out.publish(manifest["add"])
     success = {**manifest["success"], "parts": [name for name in manifest["add"] if FINAL_PART.fullmatch(name)]}
-    # scratch in the temp directory: a crash or a full disk here must not leave a file in the output
-    sink.atomic_write_text(out.path / SUCCESS, json.dumps(success, indent=2) + "\n", scratch_dir=out.tmp)
-    shutil.rmtree(out.tmp, ignore_errors=True)
+    # a local output's scratch is in its temp directory: a crash or a full disk here leaves no file in the output
+    out.write(SUCCESS, json.dumps(success, indent=2) + "\n")
+    out.end_rewrite()
     return success
 
 
@@ -148,7 +140,7 @@ def ordered_tables(run_parts: list[PartFile], total_rows: int, rows_per_part: in
         metadata = part_metadata(part)
         for i in range(metadata.num_row_groups):
             if metadata.row_group(i).num_rows:
-                stats = _row_statistics(metadata, i)
+                stats = row_statistics(metadata, i)
                 groups.append((stats.min, stats.max, part, i))
     groups.sort(key=lambda g: g[0])
     loaded = 0

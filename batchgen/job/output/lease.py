@@ -1,5 +1,5 @@
 """The lease on an object-store output: one run writes a prefix at a time, and a killed run does not block the next
-one forever. It stands where a local output has its flock (prepare.lock_output), which dies with its process; an
+one forever. It stands where a local output has its flock (output_dir.lock_output), which dies with its process; an
 object store has no such lock, and no rename, so the lease is an object, `_LEASE`, written only conditionally:
 
 - taken with a create-only write (If-None-Match: *): of two runs starting at once, one gets it;
@@ -12,7 +12,7 @@ object store has no such lock, and no rename, so the lease is an object, `_LEASE
 
 Its holder checks it before every write (`check`): a lease not refreshed within its ttl (the store unreachable, the
 process stalled) may already be another run's, so the holder stops writing (LeaseLost, exit 1; its committed parts
-stay, and the ledger keeps a part written by a holder that lost the race from counting twice: object_output.py).
+stay, and the ledger keeps a part written by a holder that lost the race from counting twice: store.py).
 The lease holds the run's id, host, pid, the pid's start time and pid namespace, never a credential. A run that
 ends (done or failed) deletes it if the store still holds the version it last wrote."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Where an object-store output may be: never inside another job's output, nor holding one — as on disk
-(resume.check_location), since a reader of the outer prefix reads the inner one's objects too, and each job would
+(OutputDir.check_location), since a reader of the outer prefix reads the inner one's objects too, and each job would
 take the other's objects for its own or for foreign ones. A prefix is a batchgen output when it holds one of its
 markers: the lease, the rewrite's manifest, _SUCCESS or the timeline (each run writes it from its first commit on),
 each checked by its content (a Spark job writes _SUCCESS too); or, below an output, a run part or a final part
@@ -10,23 +10,31 @@ output's own prefix that its checks read anyway."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from batchgen.object_store import RemoteFile, is_not_found, store_error
 
 from ..keys import JobConfigError
 from .lease import LEASE
-from .sink import (FINAL_PART, FINGERPRINT_KEY, OBJECT_RUN_PART, REWRITE_MANIFEST, SUCCESS, TIMELINE,
-                   DamagedFileError, is_side_file, read_part_schema)
+from .parts import (FINAL_PART, FINGERPRINT_KEY, OBJECT_RUN_PART, REWRITE_MANIFEST, SUCCESS, TIMELINE,
+                    DamagedFileError, is_side_file, read_part_schema)
 
-if TYPE_CHECKING:
-    from .object_output import ObjectOutput
+
+class ObjectPrefix(Protocol):
+    """Where an object-store output is (object_output.ObjectOutput is one): its URL, the bucket's root URL, its
+    key prefix below it ('' or ending in '/') and the store to ask."""
+
+    url: str
+    root: str
+    prefix: str
+    store: Any
+
 
 MARKERS = (LEASE, REWRITE_MANIFEST, SUCCESS, TIMELINE)
 _MARK_BYTES = 4096  # is_side_file looks at a side file's start
 
 
-def check_object_location(out: ObjectOutput, listing: dict[str, RemoteFile]) -> None:
+def check_object_location(out: ObjectPrefix, listing: dict[str, RemoteFile]) -> None:
     """Refuse an output inside another job's output, or holding one (found in `listing`, the output's own)."""
     where = f"output.path: {out.url}"
     enclosing = enclosing_output(out)
@@ -39,7 +47,7 @@ def check_object_location(out: ObjectOutput, listing: dict[str, RemoteFile]) -> 
                              f"would read its rows too); choose another output.path")
 
 
-def enclosing_output(out: ObjectOutput) -> str | None:
+def enclosing_output(out: ObjectPrefix) -> str | None:
     """The nearest prefix above the output (the bucket's root included) that holds a batchgen output."""
     folders = out.prefix.rstrip("/").split("/") if out.prefix else []
     for depth in range(len(folders) - 1, -1, -1):
@@ -49,7 +57,7 @@ def enclosing_output(out: ObjectOutput) -> str | None:
     return None
 
 
-def nested_output(out: ObjectOutput, listing: dict[str, RemoteFile]) -> str | None:
+def nested_output(out: ObjectPrefix, listing: dict[str, RemoteFile]) -> str | None:
     """The first sub-prefix of the output that holds a batchgen output, by the objects listed under it."""
     final_parts_read: set[str] = set()  # one footer per sub-prefix: a foreign dataset's parts are not all read
     for name, file in sorted(listing.items()):
@@ -65,7 +73,7 @@ def nested_output(out: ObjectOutput, listing: dict[str, RemoteFile]) -> str | No
     return None
 
 
-def _holds_marker(out: ObjectOutput, key: str) -> bool:
+def _holds_marker(out: ObjectPrefix, key: str) -> bool:
     """Whether the object at `key` is the batchgen marker its name says (absent: False)."""
     import obstore
 

@@ -1,5 +1,6 @@
-"""The part writer: results buffered and committed as run parts (sink.py's atomic writes, or an object output's
-create-only puts), a whole input row at a time, so that the ledger of done input rows holds."""
+"""The part writer: results buffered and committed as run parts (the output store's write_run_part: a directory's
+atomic rename, or an object store's create-only put), a whole input row at a time, so that the ledger of done
+input rows holds."""
 from __future__ import annotations
 
 import time
@@ -11,16 +12,16 @@ from batchgen.engine.request import Result
 
 from .json_output import JsonType, parse_json_output
 from .schema import ID_COLUMN, JSON_COLUMN, OUTPUT_COLUMNS, RESULT_COLUMNS, ROW_COLUMN
-from .sink import OutputDir, in_row_order, run_part_schema
+from .parts import in_row_order, run_part_schema
+from .store import OutputStore
 
 
 class PartWriter:
-    """Buffers output rows and commits them as run parts: written under the temp directory, fsynced, renamed
-    into `output.path` (in object storage: create-only objects, through ObjectOutput's same two methods). A commit
-    happens every `rows_per_part` output rows or `commit_interval_s` seconds, between input rows: an input row's
-    samples are always committed together, so the ledger of done input rows holds."""
+    """Buffers output rows and commits them as run parts, each whole or not at all (OutputStore.write_run_part). A
+    commit happens every `rows_per_part` output rows or `commit_interval_s` seconds, between input rows: an input
+    row's samples are always committed together, so the ledger of done input rows holds."""
 
-    def __init__(self, out: OutputDir, schema: pa.Schema, fingerprint: str, rows_per_part: int,
+    def __init__(self, out: OutputStore, schema: pa.Schema, fingerprint: str, rows_per_part: int,
                  commit_interval_s: float, sort_by_row: bool, clock: Callable[[], float] = time.monotonic,
                  json_type: JsonType | None = None, on_commit: Callable[[], None] | None = None):
         self.out = out

@@ -1,6 +1,7 @@
-"""What a resume must match. The fingerprint (runner.job_fingerprint) holds everything that decides the rows'
-results, the identity of every input file included; `check_output` compares it with what the output directory
-holds and refuses, naming what changed, when they differ."""
+"""What a resume must match: the one output check, for either kind of store (store.py). The fingerprint
+(prepare.job_fingerprint) holds everything that decides the rows' results, the identity of every input file
+included; `check_output` compares it with what the output holds and refuses, naming what changed, when they
+differ."""
 from __future__ import annotations
 
 import hashlib
@@ -8,7 +9,6 @@ import json
 import os
 from contextlib import contextmanager
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -17,7 +17,9 @@ from batchgen.object_store import RemoteFile
 
 from ..config import JobConfigError
 from ..input.parquet_read import InputFile
-from .sink import FINGERPRINT_KEY, OBJECT_RUN_PART, RUN_PART, TMP_SUFFIX, DamagedFileError, OutputDir
+from ..missing_bucket import bucket_must_exist
+from .parts import FINGERPRINT_KEY, OBJECT_RUN_PART, RUN_PART, DamagedFileError
+from .store import OutputStore
 
 # The Parquet tail: a 4-byte little-endian footer length, then the magic bytes.
 _TAIL = 8
@@ -44,19 +46,22 @@ def input_identity(path: InputFile) -> dict[str, Any]:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "footer_sha256": hashlib.sha256(footer).hexdigest()}
 
 
-def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool,
+def check_output(out: OutputStore, fingerprint: dict[str, Any], overwrite: bool,
                  run_schema: pa.Schema | None = None) -> dict | None:
-    """Refuse an output directory holding someone else's files or another job's rows (unless --overwrite);
-    return the _SUCCESS summary when this very job already finished. `run_schema`, when given, is what the run
-    parts must hold (columns and types), so that the final rewrite cannot fail on them."""
-    where = f"output.path: {out.path}"
-    if out.path.exists() and not out.path.is_dir():
-        raise JobConfigError(f"{where} exists and is not a directory")
-    _check_writable(out.path)
-    check_location(out)
+    """Refuse an output where batchgen may not write (check_location), holding someone else's files or another
+    job's rows (unless --overwrite); return the _SUCCESS summary when this very job already finished. `run_schema`,
+    when given, is what the run parts must hold (columns and types), so that the final rewrite cannot fail on
+    them. A missing bucket is the job's error, naming output.path."""
+    with bucket_must_exist("output.path", str(out.path)):
+        return _check(out, f"output.path: {out.path}", fingerprint, overwrite, run_schema)
+
+
+def _check(out: OutputStore, where: str, fingerprint: dict[str, Any], overwrite: bool,
+           run_schema: pa.Schema | None) -> dict | None:
+    out.check_location()
     foreign = out.foreign_names()
     if foreign:
-        raise JobConfigError(f"{where} holds files batchgen did not write ({', '.join(foreign[:3])}); "
+        raise JobConfigError(f"{where} holds {out.noun} batchgen did not write ({', '.join(foreign[:3])}); "
                              f"choose another output.path")
     if overwrite:
         return None
@@ -66,8 +71,11 @@ def check_output(out: OutputDir, fingerprint: dict[str, Any], overwrite: bool,
         previous = (rewrite or {}).get("success") or success
         refuse_changes(where, previous.get("fingerprint", {}), fingerprint)
         return success if rewrite is None else None
-    if out.final_parts():
-        raise JobConfigError(f"{where} holds finished parts but no _SUCCESS; re-run with --overwrite to start over")
+    for part in out.final_parts():
+        if not out.rewrites_in_place:  # a directory's rewrite stages them: these are not a killed rewrite's
+            raise JobConfigError(f"{where} holds finished parts but no _SUCCESS; re-run with --overwrite to start "
+                                 f"over")
+        refuse_changes(where, stored_fingerprint(out.part_schema(part)), fingerprint)  # written again by this run
     check_run_parts(where, out.run_part_schemas(), fingerprint, run_schema)
     return None
 
@@ -80,38 +88,6 @@ def check_run_parts(where: str, schemas: dict[Any, pa.Schema], fingerprint: dict
         if run_schema is not None and not schema.remove_metadata().equals(run_schema.remove_metadata()):
             raise JobConfigError(f"{where} holds {part.name} with other columns or types than this job writes; "
                                  f"re-run with --overwrite to start over")
-
-
-def check_location(out: OutputDir) -> None:
-    """An output is never nested in another job's output (or another's in it), and its temp directory is never a
-    directory someone else put there: batchgen would write into, or delete, what is not its own."""
-    where = f"output.path: {out.path}"
-    if out.real.name.endswith(TMP_SUFFIX):
-        raise JobConfigError(f"{where}: names ending in {TMP_SUFFIX} are batchgen's temporary directories; "
-                             f"choose another output.path")
-    if not out.tmp_is_ours():
-        raise JobConfigError(f"{where}: {out.tmp}, where batchgen keeps this output's temporary files, is not "
-                             f"batchgen's (another job's output, or files batchgen did not put there); move it "
-                             f"away or choose another output.path")
-    enclosing = out.enclosing_output()
-    if enclosing is not None:
-        raise JobConfigError(f"{where} is inside {enclosing}, another batchgen job's output (its readers would read "
-                             f"these rows too); choose an output.path outside it")
-    nested = out.nested_output()
-    if nested is not None:
-        raise JobConfigError(f"{where} holds {nested}, another batchgen job's output (readers of this output "
-                             f"would read its rows too); choose another output.path")
-
-
-def _check_writable(path: Path) -> None:
-    """The directory, or the nearest folder above it that exists (where run creates it), can be written: the
-    messages are those of run's own attempt (output_errors), so that plan finds what run would."""
-    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
-    where = "" if existing == path.absolute() else f" ({existing})"
-    if not existing.is_dir():
-        raise JobConfigError(f"output.path: cannot write {path}: Not a directory{where}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise JobConfigError(f"output.path: cannot write {path}: Permission denied{where}")
 
 
 def stored_fingerprint(schema: pa.Schema) -> dict:
@@ -177,8 +153,8 @@ def _when(mtime_ns: int) -> str:
 
 
 @contextmanager
-def output_errors(out: OutputDir) -> Iterator[None]:
-    """What goes wrong with the output directory before the run, as job errors naming output.path."""
+def output_errors(out: OutputStore) -> Iterator[None]:
+    """What goes wrong with the output before the run, as job errors naming output.path."""
     try:
         yield
     except DamagedFileError as exc:
@@ -188,12 +164,12 @@ def output_errors(out: OutputDir) -> Iterator[None]:
         raise JobConfigError(f"output.path: cannot write {out.path}: {exc.strerror or exc}{where}") from None
 
 
-def damaged_message(out: OutputDir, exc: DamagedFileError) -> str:
+def damaged_message(out: OutputStore, exc: DamagedFileError) -> str:
     """Name the damaged file and the way out. A run part holds committed rows: without it, they are generated
     again. A file batchgen cannot read is not provably its own, so --overwrite leaves it for the user to delete."""
     if RUN_PART.fullmatch(exc.path.name) or OBJECT_RUN_PART.fullmatch(exc.path.name):
         remedy = "delete that file and re-run the same command (its rows are generated again)"
-    elif isinstance(out, OutputDir) and exc.path.parent == out.staging:
+    elif out.is_staged(exc.path):
         remedy = "re-run with --overwrite to start over"
     else:
         remedy = "delete that file and re-run with --overwrite to start over"

@@ -1,31 +1,25 @@
 """The output columns, defined once: name, Arrow type, how the value is read from a Result, when the column is
 there (most always are; some only when the job asks for them), and the meaning the README's output table shows
-(tests/test_output_schema.py keeps that table equal to this one)."""
+(tests/test_output_schema.py keeps that table equal to this one, and column_names.py's names equal its own). What
+decides the conditional columns is an OutputOptions, which prepare.output_options reads from the job: the table
+knows nothing of the job's config."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Container
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import pyarrow as pa
 
 from batchgen.engine.request import Result
 
-from .json_output import JsonType, schema_json_type
-
-if TYPE_CHECKING:
-    from ..config import JobConfig
+# the names alone live in a leaf (the config reads them); the table's readers find them here too
+from .column_names import OUTPUT_COLUMNS, ROW_COLUMN, SAMPLE_COLUMN  # noqa: F401
+from .json_output import JsonType
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 
 # The id's type when input.id_column is not set: the row's position in the input.
 ROW_POSITION_ID_TYPE = pa.int64()
-
-# The internal column of in-progress part files: the row's position in the input (the resume ledger).
-ROW_COLUMN = "_row"
-
-# The column that tells a row's samples apart (with n > 1): output rows sort by (ROW_COLUMN, SAMPLE_COLUMN).
-SAMPLE_COLUMN = "sample_index"
 
 
 @dataclass(frozen=True)
@@ -38,15 +32,6 @@ class OutputOptions:
     logprobs: bool = False  # logprobs and top_logprobs: sampling.logprobs, or a `logprobs` input column
     json: JsonType | None = None  # the `json` column's type: output.parse_json, from sampling.json_schema
     replica: bool = False  # replica: the run is a Ray run (executor.kind: ray)
-
-    @classmethod
-    def of(cls, config: JobConfig, input_columns: Container[str]) -> OutputOptions:
-        sampling = config.sampling
-        return cls(samples=sampling.n > 1 or "n" in input_columns,
-                   choice=bool(sampling.choice) or "choice" in input_columns,
-                   logprobs=sampling.logprobs is not None or "logprobs" in input_columns,
-                   json=schema_json_type(sampling.json_schema) if config.output.parse_json else None,
-                   replica=config.executor.kind == "ray")
 
 
 @dataclass(frozen=True)
@@ -176,7 +161,6 @@ COLUMNS = (
 )
 ID_COLUMN, RESULT_COLUMNS = COLUMNS[0], COLUMNS[1:]
 JSON_COLUMN = next(column for column in COLUMNS if column.name == "json")
-OUTPUT_COLUMNS = tuple(column.name for column in COLUMNS)
 
 # The README table's last row: the input columns copied after the fixed ones.
 KEEP_COLUMNS_ROW = ("*keep_columns*", "as in the input", "copied from the input row")

@@ -13,16 +13,17 @@ import numpy as np
 
 from batchgen.engine.block_pool import hash_block
 from batchgen.engine.errors import SettingError
+from batchgen.engine.engine_plan import EnginePlan, EngineTarget, plan_engine, resolve_target
 from batchgen.engine.kv_pool import KVPoolSize
 from batchgen.engine.sliding_window import hit_blocks
 from batchgen.machine import available_memory, process_rss
+from batchgen.models.inspector import ModelDescription
 
 from . import memory
 from ..config import JobConfig, JobConfigError, setting_error
 from ..input.files import InputFiles
-from ..output.object_output import ObjectOutput, check_output_at, live_lease
-from ..output.resume import output_errors
-from ..prepare import PreparedJob, check_chat_template, engine_args_for, inspect_job, lock_holder
+from ..output.resume import check_output, output_errors
+from ..prepare import PreparedJob, check_chat_template, engine_args_for, inspect_job
 from ..input.source import SourceRow, read_source
 from .precision_advice import advise_precision
 from .throughput import TimeEstimate, estimate_time, machine
@@ -50,6 +51,7 @@ class TokenStats:
     blocks: int  # KV blocks their sequences take, before prefix-cache hits (see row_tokens)
     shared: int  # prompt tokens in full blocks an earlier row shares (what the prefix cache can serve)
     examples: list[tuple[SourceRow, str]]  # the first rows in input order, with their prompt text
+    leading: list[list[int]] = field(default_factory=list)  # the first max_num_seqs rows' prompts in the run's order
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Plan:
     model_dir: Path
     device: Any  # torch.device
     dtype: Any  # cpu_features.DtypeChoice: the dtype and why
-    shape: memory.ModelShape
+    shape: ModelDescription
     weights: memory.WeightBytes
     kv_pool: KVPoolSize
     kv_blocks: int  # of the pool, the blocks the run makes resident: on the CPU those its rows use (kv_blocks_used)
@@ -80,6 +82,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     converted_now: bool = False  # the GGUF conversion ran in this process (the baseline is overstated)
     precision: list[str] = field(default_factory=list)  # precision_advice's lines: the fastest dtype/quantization
+    engine: EnginePlan | None = None  # the engine's decisions as a run would make them (engine/engine_plan.py)
 
     @property
     def peak(self) -> int:
@@ -87,11 +90,9 @@ class Plan:
 
 
 def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 1000, cost_per_hour: float | None = None,
-              archive: Path = Path("docs/performance-archive.jsonl")) -> Plan:
+              archive: Path = Path("docs/performance-archive.jsonl"), probe: bool = False) -> Plan:
     """Every figure of the plan. Raises JobConfigError for a problem that leaves nothing to plan; the others (the
     output refused, memory short) are in `problems`."""
-    from batchgen.engine.startup import (check_quantization, context_length, context_limit, resolve_device,
-                                         resolve_dtype)
     from batchgen.models.packed_linear import packing_supported
 
     # prepare_job's checks, without taking the output (its lock, --overwrite's removal) or downloading a model
@@ -99,20 +100,17 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     inputs, model_ref = job.inputs, job.fingerprint["model"]
     output_state, rows_left, problems = output_status(job, overwrite)
 
-    device = resolve_device(config.device)
-    choice = resolve_dtype(config.dtype, device)
-    try:
-        check_quantization(config.engine.quantization, choice, device)
+    try:  # the engine's own rules: device, dtype and why, the quantization's verdict (engine/engine_plan.py)
+        target = resolve_target(config.device, config.dtype, config.engine.quantization)
     except SettingError as exc:
         raise setting_error(exc, "engine") from None
-    dtype = choice.dtype
+    device, choice, dtype = target.device, target.dtype, target.dtype.dtype
     model_dir, tokenizer, converted_now = load_model_files(config, model_ref)
     shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu",
                                            config.engine.quantization)
     baseline = process_rss()  # what a run holds before its weights: see memory.py
-    pool = size_kv_pool(config, shape, weights, dtype, device, rows_left)
-    context = context_length(config.engine, shape.max_model_len, pool.num_blocks)
-    limit = context_limit(config.engine, shape.max_model_len, pool.num_blocks)
+    engine = plan_engine_for(config, shape, weights, target, rows_left)
+    pool, context, limit = engine.kv_pool, engine.max_model_len, engine.context_limit
     tokens = sample_tokens(config, inputs, tokenizer, context, limit, sample_rows)
     computed = sum(tokens.prompt) - (tokens.shared if config.engine.enable_prefix_caching else 0)
 
@@ -143,10 +141,15 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     plan = Plan(config, inputs, model_ref, model_dir, device, choice, shape, weights, pool, kv_blocks,
                 kv_local_blocks, context, tokens, parts, step_tokens, activations, available, available_source,
                 output_state, rows_left, time, cost_per_hour, problems, [warning] if warning else [], converted_now)
+    plan.engine = engine
     decode_batch = min(config.engine.max_num_seqs, rows_left or inputs.total_rows, seqs_at_once(plan)[0])
     plan.precision = advise_precision(archive, machine(device), str(choice.dtype).removeprefix("torch."),
                                       config.engine.quantization, max(decode_batch, 1), computed * scale,
                                       tokens.output_bound * scale)
+    if probe and time.seconds is None and not problems and rows_left and tokens.leading:  # measure it (probe.py)
+        from .probe import probe_time
+        plan.time = probe_time(config, str(model_dir), rows_left, tokens.leading, max(decode_batch, 1),
+                               computed * scale, tokens.output_bound * scale, tokens.scored * scale, time.how)
     return plan
 
 
@@ -161,27 +164,21 @@ def memory_verdict(peak: int, available: int) -> tuple[str | None, str | None]:
     return None, None
 
 
-def size_kv_pool(config: JobConfig, shape: memory.ModelShape, weights: memory.WeightBytes, dtype, device,
-                 rows_left: int) -> KVPoolSize:
-    """The KV pool by the engine's arithmetic, for the engine settings a run of `rows_left` rows gets (runner's
-    engine_args_for). On CUDA without a kv_cache_memory the engine profiles a step; the plan uses its activation
-    estimate instead."""
-    from batchgen.engine.kv_pool import kv_cache_budget, size_kv_pool as engine_size_kv_pool
-    from batchgen.engine.startup import kv_group_bytes
-
+def plan_engine_for(config: JobConfig, shape: ModelDescription, weights: memory.WeightBytes, target: EngineTarget,
+                    rows_left: int) -> EnginePlan:
+    """The engine plan (the KV pool, the context) by the engine's own function, for the engine settings a run of
+    `rows_left` rows gets (prepare's engine_args_for). On CUDA without a kv_cache_memory the engine profiles a step;
+    the plan estimates it instead: the device's free memory less the weights, and the activation estimate."""
     args = engine_args_for(config, rows_left)
-    per_token, local = kv_group_bytes(shape.kv_layout, shape.num_kv_heads, shape.head_dim, dtype)
+    dtype, device = target.dtype.dtype, target.device
 
     def estimate_cuda() -> tuple[int, int]:  # what the engine measures by profiling a step, estimated
         step = memory.activation_bytes(shape, dtype, args.max_num_batched_tokens,
                                        min(args.max_num_seqs, args.max_num_batched_tokens), 0, on_cpu=False)
         return available_memory(device.type)[0] - weights.loaded, sum(step.values())
 
-    budget, source = kv_cache_budget(args, device.type, estimate_cuda)
-    context = min(args.max_model_len or shape.max_model_len, shape.max_model_len)
     try:
-        return engine_size_kv_pool(budget, source, per_token, args.block_size, args.max_num_seqs, context, local,
-                                   args.max_num_batched_tokens)
+        return plan_engine(args, shape, estimate_cuda, target)
     except SettingError as exc:
         raise setting_error(exc, "engine") from None
 
@@ -199,7 +196,7 @@ def kv_blocks_used(tokens: TokenStats, block_size: int, total_rows: int, pool_bl
     return min(pool_blocks, math.ceil(blocks * scale))
 
 
-def largest_step(config: JobConfig, shape: memory.ModelShape, dtype, device, tokens: TokenStats, computed: int,
+def largest_step(config: JobConfig, shape: ModelDescription, dtype, device, tokens: TokenStats, computed: int,
                  total_rows: int, context: int) -> tuple[int, dict[str, int]]:
     """The largest step's tokens and its activations. No step holds more than max_num_seqs whole prompts, nor, when
     every row was sampled, more than all of the job's prompt tokens to compute, a first output token per row and
@@ -270,7 +267,7 @@ def sample_tokens(config: JobConfig, inputs: InputFiles, tokenizer, context: int
         choice_too_long=sum(1 for shape in shapes if shape.candidates and shape.longest > context),
         blocks=sum(shape.blocks for shape in shapes),
         shared=shared_prefix_tokens([row.token_ids for row in ok], config.engine.block_size),
-        examples=examples)
+        examples=examples, leading=[row.token_ids for row in ok[:config.engine.max_num_seqs]])
 
 
 @dataclass(frozen=True)
@@ -343,15 +340,11 @@ def output_status(job: PreparedJob, overwrite: bool) -> tuple[str, int, list[str
     out, total = job.out, job.inputs.total_rows
     try:
         with output_errors(out):
-            complete = check_output_at(out, job.fingerprint, overwrite, job.run_schema)
+            complete = check_output(out, job.fingerprint, overwrite, job.run_schema)
             done = out.done_rows(total).count(1) if out.run_parts() and not overwrite else 0
     except JobConfigError as exc:
         return f"refused: {exc}", total, [str(exc)]
-    if isinstance(out, ObjectOutput):
-        message = live_lease(out)
-    else:
-        holder = lock_holder(out)
-        message = None if holder is None else f"output.path: another batchgen run is writing {out.path} (pid {holder})"
+    message = out.busy_message()
     if message is not None:
         return f"refused: {message}", total, [message]
     if overwrite and (out.names() or out.pending_rewrite() is not None):

@@ -1,5 +1,6 @@
-"""The memory arithmetic of `batchgen plan`: a run's peak memory, from the safetensors headers, the model's shape,
-the engine settings and the sampled prompts, without loading a weight.
+"""The memory arithmetic of `batchgen plan`: a run's peak memory, from the model's description (models/inspector.py:
+its shape and its checkpoint's tensors, from the config and the safetensors headers), the engine settings and the
+sampled prompts, without loading a weight.
 
 On the CPU the estimate is of peak RSS, the figure a run writes as `peak_memory_bytes`:
   baseline     this process's RSS once python, torch, transformers, pyarrow, the tokenizer and the model's
@@ -17,17 +18,12 @@ On the CPU the estimate is of peak RSS, the figure a run writes as `peak_memory_
 On CUDA it is of device memory (weights, KV pool, activations), against the device's free memory."""
 from __future__ import annotations
 
-import json
-import math
-import os
-import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from batchgen.engine.sliding_window import KVLayout, kv_layout
-from batchgen.models.checkpoint_files import weight_files
+from batchgen.models.inspector import ModelDescription
 
 from ..keys import JobConfigError
 
@@ -45,32 +41,6 @@ WINDOW_BYTES_PER_TOKEN = 40
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    max_model_len: int
-    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full attention)
-
-    @classmethod
-    def of(cls, model) -> ModelShape:
-        """From our (meta-device) model and its config."""
-        config = model.config
-        return cls(model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim,
-                   config.hidden_size, config.intermediate_size, config.vocab_size, model.max_model_len,
-                   tuple(model.sliding_windows()))
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        """The engine's KV groups for this model (engine/sliding_window.py)."""
-        return kv_layout(self.layer_windows) if self.layer_windows else KVLayout(self.num_layers)
-
-
-@dataclass(frozen=True)
 class WeightBytes:
     files: int
     parameters: int
@@ -81,41 +51,20 @@ class WeightBytes:
 
 
 def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool,
-                  quantization: str | None = None) -> tuple[ModelShape, WeightBytes]:
-    """The model's shape (our modules, built on the meta device: no memory) and its weights' bytes (headers)."""
-    from transformers import AutoConfig
+                  quantization: str | None = None) -> tuple[ModelDescription, WeightBytes]:
+    """The model's description (models/inspector.py: no weights read) and its weights' bytes at the run's dtype."""
+    from batchgen.models.inspector import describe_model
 
-    from batchgen.models.loader import checkpoint_sources
-    from batchgen.models.quantization import is_quantized
-    from batchgen.models.registry import build_model, model_variant
-
-    names = {name for file in weight_files(model_dir) for name in read_safetensors_header(file)}
     try:
-        config = AutoConfig.from_pretrained(model_dir)
-        variant = model_variant(config)
-        if "lm_head.weight" not in names:  # as the loader does: no lm_head in the checkpoint means tied
-            variant = replace(variant, tie_word_embeddings=True)
-        with torch.device("meta"):
-            model = build_model(config, variant)
-    except (ValueError, OSError) as exc:  # unsupported architecture, RoPE type or activation; unreadable config
-        raise JobConfigError(f"model: {exc}") from None
-    quantized = quantization is not None
-    linear = {f"{name}.weight" for name, module in model.named_modules() if type(module) is torch.nn.Linear}
-    used = {name: TensorUse(len(sources) > 1, quantized and is_quantized(param), param in linear)
-            for param, sources in checkpoint_sources(model).items() for name in sources}
-    shape = ModelShape.of(model)
-    weights = weight_bytes(model_dir, used, dtype, on_cpu)
-    if quantized and variant.tie_word_embeddings:  # the embedding stays; the LM head gets an int8 copy of it
-        weights = replace(weights, loaded=weights.loaded + int8_bytes(shape.vocab_size, shape.hidden_size))
-    return shape, weights
-
-
-@dataclass(frozen=True)
-class TensorUse:
-    """How the loader uses one checkpoint tensor."""
-    fused: bool  # concatenated with others (q/k/v, gate/up)
-    quantized: bool  # held as int8 (quantization: int8)
-    linear: bool = False  # a matmul weight (an nn.Linear's): the one packing replaces
+        model = describe_model(model_dir)
+    except (ValueError, OSError) as exc:  # unsupported architecture, RoPE type or activation; unreadable config or
+        raise JobConfigError(f"model: {exc}") from None  # header
+    weights = weight_bytes(model, dtype, quantization)
+    if quantization is not None and model.tie_word_embeddings:  # the embedding stays; the LM head: an int8 copy
+        weights = replace(weights, loaded=weights.loaded + int8_bytes(model.vocab_size, model.hidden_size))
+    if not weights.files:
+        raise JobConfigError(f"model: no *.safetensors weights in {model_dir}")
+    return model, weights
 
 
 def int8_bytes(rows: int, columns: int) -> int:
@@ -124,44 +73,23 @@ def int8_bytes(rows: int, columns: int) -> int:
     return rows * columns + rows * SCALE_BYTES
 
 
-def read_safetensors_header(path: Path) -> dict:
-    """The JSON header of a .safetensors file (name -> dtype, shape, data_offsets); no tensor data is read."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 0 < size <= min(os.fstat(f.fileno()).st_size - 8, 1 << 28):
-            raise JobConfigError(f"model: {path} is not a safetensors file (bad header length)")
-        try:
-            header = json.loads(f.read(size))
-        except ValueError:
-            raise JobConfigError(f"model: {path} is not a safetensors file (its header is not JSON)") from None
-    header.pop("__metadata__", None)
-    return header
-
-
-def weight_bytes(model_dir: Path, used: dict[str, TensorUse], dtype: torch.dtype, on_cpu: bool) -> WeightBytes:
-    """`used`: each checkpoint tensor the loader reads -> how it uses it.
+def weight_bytes(model: ModelDescription, dtype: torch.dtype, quantization: str | None = None) -> WeightBytes:
+    """The bytes of the checkpoint tensors the loader reads (the description's), held at `dtype`.
 
     The loader reads every tensor into memory it owns and maps nothing (models/weight_reader.py), so no checkpoint
     page stays resident: `mapped` is 0. A quantized matrix [out, in] is held as int8 with a scale per output row."""
-    files = weight_files(model_dir)
-    if not files:
-        raise JobConfigError(f"model: no *.safetensors weights in {model_dir}")
+    from batchgen.models.quantization import is_quantized
+
     run_bytes = torch.finfo(dtype).bits // 8
     parameters = loaded = linear = 0
-    dtypes: set[str] = set()
-    for file in files:
-        for name, entry in read_safetensors_header(file).items():
-            if name not in used:
-                continue
-            numel = math.prod(entry["shape"])
-            parameters += numel
-            use = used[name]
-            size = int8_bytes(entry["shape"][0], numel // entry["shape"][0]) if use.quantized else numel * run_bytes
-            loaded += size
-            linear += size if use.linear else 0
-            dtypes.add(entry["dtype"])
-    return WeightBytes(len(files), parameters, tuple(sorted(dtypes)), loaded, 0, linear)
+    for tensor in model.tensors:
+        numel = tensor.numel
+        parameters += numel
+        quantized = quantization is not None and is_quantized(tensor.parameter)
+        size = int8_bytes(tensor.shape[0], numel // tensor.shape[0]) if quantized else numel * run_bytes
+        loaded += size
+        linear += size if tensor.linear else 0
+    return WeightBytes(model.files, parameters, model.checkpoint_dtypes, loaded, 0, linear)
 
 
 def released_after_packing(weights: WeightBytes, running: int) -> int:
@@ -171,7 +99,7 @@ def released_after_packing(weights: WeightBytes, running: int) -> int:
     return -weights.linear
 
 
-def packed_weight_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+def packed_weight_bytes(shape: ModelDescription, dtype: torch.dtype) -> int:
     """The matmul weights (q/k/v, o, gate/up, down of every layer, and the LM head) at `dtype`."""
     h, d = shape.hidden_size, shape.head_dim
     per_layer = h * (shape.num_heads + 2 * shape.num_kv_heads) * d + shape.num_heads * d * h \
@@ -179,7 +107,7 @@ def packed_weight_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
     return (shape.num_layers * per_layer + shape.vocab_size * h) * torch.finfo(dtype).bits // 8
 
 
-def activation_bytes(shape: ModelShape, dtype: torch.dtype, step_tokens: int, step_seqs: int,
+def activation_bytes(shape: ModelDescription, dtype: torch.dtype, step_tokens: int, step_seqs: int,
                      longest_prompt: int, on_cpu: bool, scored: bool = False) -> dict[str, int]:
     """The largest step's transient memory, by part: a step of `step_tokens` tokens over `step_seqs` sequences,
     and the longest prompt prefilled in chunks of at most `step_tokens` (the CPU attention's score tensors).

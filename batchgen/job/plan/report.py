@@ -14,7 +14,8 @@ def format_plan(plan: Plan, job_path: str) -> str:
     sections = [("job", _job(plan)), ("input", _input(plan)), ("prompts", _prompts(plan)),
                 ("tokens", _tokens(plan)), ("fit", _fit(plan)), ("memory", _memory(plan)), ("time", _time(plan)),
                 ("cost", _cost(plan)), ("output", [f"{plan.config.output.path}: {plan.output_state}"])]
-    lines = [f"batchgen plan: {job_path} (no weights loaded, nothing written)"]
+    loaded = "weights loaded only for the time probe" if plan.time.probed else "no weights loaded"
+    lines = [f"batchgen plan: {job_path} ({loaded}, nothing written)"]
     for name, body in sections:
         lines.append(f"{name:<8} {body[0]}")
         lines += [f"  {line}" for line in body[1:]]
@@ -107,7 +108,7 @@ def _memory(plan: Plan) -> list[str]:
     verdict = "exceeds it" if share > 1 else f"over {MEMORY_WARN_SHARE:.0%}: warning" \
         if share > MEMORY_WARN_SHARE else "ok"
     what = "peak RSS" if plan.device.type == "cpu" else "peak device memory"
-    size, kv, layout = plan.dtype.name, plan.kv_pool, plan.shape.kv_layout
+    size, kv, layout = plan.dtype.name, plan.kv_pool, plan.engine.kv_layout
     explain = {
         "weights": f"{w.parameters:,} parameters, {'/'.join(w.checkpoint_dtypes)} in {w.files} safetensors "
                    f"file(s) (headers), as {size}" + (", the Linear layers and LM head as int8"
@@ -146,8 +147,13 @@ def _time(plan: Plan) -> list[str]:
         return [t.how] + plan.precision
     left = "" if plan.rows_left == total else "; nothing left to generate" if plan.rows_left == 0 else \
         f"; ~{_seconds_left(plan):,.1f} s for the {plan.rows_left:,} rows left"
+    if t.probe is not None:
+        from .probe import trust_lines
+        source = trust_lines(t.probe)
+    else:
+        source = ["bench records " + ", ".join(t.records)]
     return [f"~{t.seconds:,.1f} s of generation for all {total:,} rows (+ {t.load_s:.1f} s model load){left}; "
-            f"{t.how}", "bench records " + ", ".join(t.records)] + plan.precision
+            f"{t.how}", *source] + plan.precision
 
 
 def _seconds_left(plan: Plan) -> float:

@@ -20,6 +20,8 @@ class TimeEstimate:
     load_s: float | None
     how: str  # the rates used, or why there is no estimate
     records: tuple[str, ...] = ()
+    probe: Any = None  # probe.ProbeResult, where the rates come from a probe instead of bench records
+    probed: bool = False  # a probe started the engine (the weights loaded), whether or not it timed anything
 
 
 def estimate_time(archive: Path, model: str, device: dict[str, Any], prompt_tokens: float,

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from batchgen.object_store import RemoteFile, StorageConfig
+from batchgen.object_store import StorageConfig
 
 from ..config import JobConfigError
 from ..output.final_formats import batch_rows
-from ..output.object_output import open_output
-from ..output.sink import REPORT, TIMELINE, part_metadata, read_part
+from ..output.open_output import open_output
+from ..output.parts import REPORT, TIMELINE, open_part, part_bytes, part_metadata, read_part
 from ..timeline import parse_timeline
 from .page import CHARTS, GENERATOR, ReportData, render
 from .rows import COLUMNS, LATENCIES, ReportRows
@@ -61,14 +61,13 @@ def read_json_part(part) -> pa.Table:
     """A JSON lines part's columns that the report reads."""
     import pyarrow.json as pj
 
-    source = part.open() if isinstance(part, RemoteFile) else str(part)
-    table = pj.read_json(source, parse_options=pj.ParseOptions(newlines_in_values=False))
+    table = pj.read_json(open_part(part), parse_options=pj.ParseOptions(newlines_in_values=False))
     return table.select([name for name in COLUMNS if name in table.column_names])
 
 
 def read_batch_part(part) -> pa.Table:
     """An OpenAI Batch part's (or error file's) rows, as the report reads them: a row per sample."""
-    text = part.open().read().decode() if isinstance(part, RemoteFile) else Path(part).read_text()
+    text = part_bytes(part).decode()
     rows = batch_rows(text)
     types = {name: pa.float64() for name in LATENCIES} | {"finish_reason": pa.string(), "error": pa.string(),
                                                           "prompt_tokens": pa.int64(), "output_tokens": pa.int64(),

@@ -12,7 +12,7 @@ from typing import Callable
 
 import batchgen
 
-from ..output.sink import REPORT, SIDE_FILE_MARKS
+from ..output.parts import REPORT, SIDE_FILE_MARKS
 from .rows import LATENCIES, ReportRows
 from .svg import Axis, Marker, Series, bar_chart, line_chart
 

@@ -7,14 +7,14 @@
   cpu-stream: the C++ decode kernel alone at batch 32/64 x context 1,024 over four layers' caches read in turn
            (nothing left in the CPU's caches between calls), blocks consecutive and shuffled, the cache stored
            token-major (the engine's) and head-major, fp32 and bf16, on torch's threads: ms per layer and GB/s of K/V
-           (compare scripts/kv_read_bandwidth.py); first, batch 8 x context 256 on one layer, whose 1.6-3.1 MB stay
+           (compare dev/kv_read_bandwidth.py); first, batch 8 x context 256 on one layer, whose 1.6-3.1 MB stay
            in the CPU's caches: the kernel's rate when memory is not what limits it (not in the default set)
   cpu-prefill: a step's prefills through the torch reference (per sequence: gather, then SDPA or two bmm) vs the
            C++ kernel (all sequences in one call, K/V read in place), fp32 and bf16: labeling-like prompts after a
            cached prefix, whole prompts, one long prompt; time, ratio and GFLOP/s (not in the default set)
   amx-prefill: cpu-prefill's bf16 cases through the AVX512_BF16 kernel vs the AMX tile kernel, on a CPU with AMX only
            (not in the default set)
-Usage: python scripts/microbench_attention.py [decode|prefill|mlp|cpu|cpu-stream|cpu-prefill|amx-prefill ...]"""
+Usage: python dev/microbench_attention.py [decode|prefill|mlp|cpu|cpu-stream|cpu-prefill|amx-prefill ...]"""
 from __future__ import annotations
 
 import random

@@ -1,7 +1,7 @@
 """Make docs/report.png, the README's picture of the job report: runs jobs/sample.yaml into a temporary directory
 (with a machine price, for tokens per dollar) and renders its _report.html in headless Chromium (tests/chromium.py).
 
-    python scripts/report_screenshot.py [--cost-per-hour 2.5] [--out docs/report.png] [--height 1800]
+    python dev/report_screenshot.py [--cost-per-hour 2.5] [--out docs/report.png] [--height 1800]
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ directory (config.json, generation_config.json, the tokenizer's files, safetenso
 transformers and batchgen load like the real checkpoint. Never put the weights in git: a directory inside a git
 checkout is refused.
 
-    PYTHONPATH=$PWD:$PWD/kernels python scripts/make_random_model.py --shape llama-1b
-    PYTHONPATH=$PWD:$PWD/kernels python scripts/make_random_model.py --shape llama-8b --dry-run
+    PYTHONPATH=$PWD:$PWD/kernels python dev/make_random_model.py --shape llama-1b
+    PYTHONPATH=$PWD:$PWD/kernels python dev/make_random_model.py --shape llama-8b --dry-run
 
 The vocabulary is the tokenizer's (default: batchgen's default model, SmolLM2's 49152 tokens), so the embedding and
 LM head are smaller than the real models'. The weights are written shard by shard (at most --max-shard-gib each):

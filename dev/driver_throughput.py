@@ -1,7 +1,7 @@
 """How many rows per second the writing side can take, with engines that answer instantly: where adding replicas
 stops helping because the driver (Ray Data's transfer, unpickling, the part-file sink) is the bottleneck.
 
-    PYTHONPATH=$PWD:$PWD/kernels python scripts/driver_throughput.py [--rows 20000] [--replicas 2]
+    PYTHONPATH=$PWD:$PWD/kernels python dev/driver_throughput.py [--rows 20000] [--replicas 2]
 
 - local: the local executor's source (read, prompt, tokenize, sort) and sink with an instant engine: one process.
 - alone: the driver's own work per row (unpickle a result, write it) on payloads made beforehand: its ceiling.

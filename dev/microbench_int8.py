@@ -1,6 +1,6 @@
 """int8 against bf16 and fp32: the default model's matmul shapes at decode-sized row counts, and one end-to-end run.
 
-    PYTHONPATH=$PWD:$PWD/kernels python scripts/microbench_int8.py [--skip-matmuls] [--skip-engine]
+    PYTHONPATH=$PWD:$PWD/kernels python dev/microbench_int8.py [--skip-matmuls] [--skip-engine]
 
 Every figure is the best of N interleaved repetitions, as a ratio to fp32 measured in the same process (the machine
 is shared: absolute times are noise, ratios less so). The int8 paths are models/quantization.py's Int8Linear:
@@ -63,7 +63,7 @@ def matmuls(repeats: int) -> None:
 def engine_run(rows: int, max_tokens: int, repeats: int) -> None:
     from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
     from batchgen.models.accounting import weight_bytes
-    from scripts.quant_quality import prompts
+    from quant_quality import prompts  # dev/quant_quality.py, beside this file
 
     configs = {"fp32": ("float32", None), "fp32 + int8": ("float32", "int8"),
                "bf16": ("bfloat16", None), "bf16 + int8": ("bfloat16", "int8")}

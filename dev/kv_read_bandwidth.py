@@ -3,7 +3,7 @@ decode kernel's order (each sequence's blocks through its block table, K block t
 count. Its rate is the most a decode attention kernel over this layout can reach, next to the roofline's probe (a sum
 over one contiguous GiB). Blocks as the default model's: 16 tokens x 3 kv heads x 64 dims, fp32 (12 KiB).
 
-  python scripts/kv_read_bandwidth.py [--seqs 32] [--blocks 64] [--layers 4] [--threads 2]
+  python dev/kv_read_bandwidth.py [--seqs 32] [--blocks 64] [--layers 4] [--threads 2]
 
 Prints GB/s for consecutive blocks (a sequence's blocks side by side, as a fresh pool hands them out) and shuffled
 ones (a pool after much reuse), each with and without software prefetch of the next block's first lines.

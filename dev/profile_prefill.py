@@ -2,7 +2,7 @@
 (max_tokens 1), once to warm up, once timed, once under torch's profiler. Behind the README's "At 1B" arithmetic
 (the Linear layers' rate inside the engine against the machine's matmul ceiling).
 
-    python scripts/profile_prefill.py --model ~/.cache/batchgen/random-models/llama-1b-bfloat16 --dtype float32
+    python dev/profile_prefill.py --model ~/.cache/batchgen/random-models/llama-1b-bfloat16 --dtype float32
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def main() -> None:
     rng = random.Random(0)
 
     def requests(base: int) -> list[Request]:  # fresh tokens each time (no prefix-cache hits), ids of the default
-        # model's tokenizer, which scripts/make_random_model.py gives its models
+        # model's tokenizer, which dev/make_random_model.py gives its models
         return [Request(base + i, [rng.randint(100, 49000) for _ in range(args.tokens)],
                         SamplingParams(max_tokens=1, ignore_eos=True)) for i in range(args.rows)]
 

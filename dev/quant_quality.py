@@ -7,7 +7,7 @@
    as one stream and cut into windows of --window tokens; every position's logits come from batchgen's prefill
    (the model's forward, then compute_logits on all hidden states), the same windows for both models.
 
-    PYTHONPATH=$PWD:$PWD/kernels python scripts/quant_quality.py --dtype float32 bfloat16
+    PYTHONPATH=$PWD:$PWD/kernels python dev/quant_quality.py --dtype float32 bfloat16
 
 Each quantized engine is built as `quantization: int8` builds it (the loader quantizes layer by layer, before the CPU's
 weight packing); --variant tries the alternatives: `quantization: int8-weight-only` (int8 weights, bf16

@@ -1,7 +1,7 @@
 """What each constraint costs, side by side in one process on the default model (ratios, not absolute times: the
 machine may be shared).
 
-    PYTHONPATH=$PWD:$PWD/kernels python scripts/constraint_costs.py [--rows 64] [--dtype auto] [--repeats 2]
+    PYTHONPATH=$PWD:$PWD/kernels python dev/constraint_costs.py [--rows 64] [--dtype auto] [--repeats 2]
 
 - choice: the bench's labeling rows (a ~250-token shared instruction + ~100 tokens each) answered by exact choice
   scoring over the instruction's 4 labels, against free greedy answers of up to 8 tokens; and the tokens computed

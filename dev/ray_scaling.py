@@ -1,7 +1,7 @@
 """Rows/s and output tokens/s of one job under the local executor and under Ray with 1 and 2 replicas, each a whole
 `batchgen run` (model loads and Ray's start-up included), one after another on this machine.
 
-    PYTHONPATH=$PWD:$PWD/kernels python scripts/ray_scaling.py [--rows 120] [--max-tokens 32] [--dtype auto]
+    PYTHONPATH=$PWD:$PWD/kernels python dev/ray_scaling.py [--rows 120] [--max-tokens 32] [--dtype auto]
 
 The job: replies to the support tickets of data/samples/tickets.parquet (repeated up to --rows), greedy.
 Configurations: local (torch on every core), ray 1 replica x every core, ray 2 replicas x 1 thread (Ray's own

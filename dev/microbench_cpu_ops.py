@@ -4,7 +4,7 @@
   elementwise  the four elementwise chains of one layer: torch ops against the fused C++ kernels
   prefill      one layer's whole-prompt attention: SDPA with 3-D inputs (its math path) against 4-D (flash)
 
-Usage: python scripts/microbench_cpu_ops.py [matmul|elementwise|prefill ...] [--threads 1] [--reps 40]
+Usage: python dev/microbench_cpu_ops.py [matmul|elementwise|prefill ...] [--threads 1] [--reps 40]
 Best-of-reps wall time; on a shared machine compare the ratios, not the absolute times."""
 from __future__ import annotations
 

@@ -1,0 +1,147 @@
+"""The model inspector: one description of a model, from its config and its checkpoint's headers, without reading
+a weight. Everything that needs a model's shape reads it here: the engine's start-up (the KV cache's size, the
+prefaulted heap, the Triton shape check: engine/engine_plan.py), `batchgen plan` (memory, weight bytes), the bench,
+the roofline and the GPU check.
+
+The architecture's own rules decide the shape (e.g. Gemma 3's sliding-window layers, a context capped at a sliding
+window): the model is built on the meta device (no memory) by the registry and read off, so the inspector and the
+loaded model cannot disagree. A GGUF is described once converted (loader.resolve_model: its cache entry is a
+safetensors directory). `task` and `architecture` are what a later model path (a generic transformers model,
+pooling or embedding tasks, adapters) is told apart by; the engine's decisions about a model are not here but in
+the engine plan."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .checkpoint_files import weight_files
+from .registry import architecture_of, build_model, model_variant
+from .safetensors_header import read_safetensors_header
+
+TASK_GENERATE = "generate"  # a decoder's next-token generation: the one task the engine runs today
+# safetensors dtype names -> bytes per number
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One checkpoint tensor that the loader reads (from the header: no data)."""
+
+    name: str  # as the checkpoint names it (transformers' names)
+    parameter: str  # our parameter it goes into (q/k/v into qkv_proj, gate/up into gate_up_proj)
+    dtype: str  # the checkpoint's: "BF16", "F32", ...
+    shape: tuple[int, ...]
+    fused: bool  # concatenated with others into its parameter
+    linear: bool  # a matmul weight (an nn.Linear's): what packing and int8 replace
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """A model as the engine will build it. Built by describe_model (a model directory) or describe_config (a
+    config alone: no checkpoint, e.g. the GPU check's random-weight shapes)."""
+
+    architecture: str  # config.architectures[0] as the registry reads it: "LlamaForCausalLM", ...
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int  # the context the model can attend over (the architecture's rule)
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: the whole context)
+    tie_word_embeddings: bool = False  # the LM head is the embedding table (said by the config, or by a checkpoint
+    #                                    without lm_head.weight)
+    num_experts: int = 0  # MoE experts per layer (0: dense)
+    task: str = TASK_GENERATE
+    parameters: int = 0  # the model's parameters, a tied head counted once
+    files: int = 0  # checkpoint shards (0: described from a config alone)
+    checkpoint_numel: int = 0  # every number the shards hold, tensors the loader skips included
+    tensors: tuple[CheckpointTensor, ...] = ()  # the checkpoint tensors the loader reads
+
+    @property
+    def checkpoint_dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted({tensor.dtype for tensor in self.tensors}))
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """The bytes of the tensors the loader reads, in the checkpoint's dtypes."""
+        return sum(tensor.numel * _DTYPE_BYTES.get(tensor.dtype, 4) for tensor in self.tensors)
+
+    def parameter_bytes(self, dtype: torch.dtype) -> int:
+        """The parameters held in `dtype`."""
+        return self.parameters * dtype.itemsize
+
+    def describe(self) -> dict:
+        """The description for a record: every field but the tensor list."""
+        return {key: value for key, value in asdict(self).items() if key != "tensors"}
+
+
+def describe_model(model_dir: Path, config=None) -> ModelDescription:
+    """The model in `model_dir`: its config (AutoConfig, unless given) and its safetensors headers. Raises what
+    reading them raises: OSError or ValueError for an unreadable config, UnsupportedModelError (a ValueError) for an
+    architecture or setting our models do not implement, SafetensorsHeaderError (a ValueError) for a header that is
+    not one."""
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+    files = weight_files(Path(model_dir))
+    headers = {}  # checkpoint tensor name -> its header entry
+    numel = 0
+    for file in files:
+        for name, entry in read_safetensors_header(file).entries.items():
+            headers[name] = entry
+            numel += math.prod(entry["shape"])
+    return describe_config(config, headers, len(files), numel)
+
+
+def describe_config(config, headers: dict[str, dict] | None = None, files: int = 0,
+                    checkpoint_numel: int = 0) -> ModelDescription:
+    """The model a transformers `config` builds; with `headers` (checkpoint tensor name -> header entry), the
+    checkpoint's say in it too: no lm_head.weight means a tied head (the loader's rule), and the tensors read."""
+    variant = model_variant(config)
+    if headers is not None:
+        variant = checkpoint_variant(variant, headers)
+    with torch.device("meta"):
+        model = build_model(config, variant)
+    linear = {f"{name}.weight" for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    tensors = tuple(CheckpointTensor(name, param, headers[name]["dtype"], tuple(headers[name]["shape"]),
+                                     len(sources) > 1, param in linear)
+                    for param, sources in checkpoint_sources(model).items() for name in sources
+                    if headers is not None and name in headers)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    return ModelDescription(
+        architecture=architecture_of(config), num_layers=model.num_layers, num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "intermediate_size", 0), vocab_size=config.vocab_size,
+        max_model_len=model.max_model_len,
+        layer_windows=tuple(model.sliding_windows()), tie_word_embeddings=variant.tie_word_embeddings,
+        num_experts=int(experts), parameters=sum(p.numel() for p in model.parameters()), files=files,
+        checkpoint_numel=checkpoint_numel, tensors=tensors)
+
+
+def checkpoint_variant(variant, names) -> object:
+    """The variant a checkpoint holding tensors `names` loads as: one without lm_head.weight is tied."""
+    return variant if "lm_head.weight" in names else replace(variant, tie_word_embeddings=True)
+
+
+def checkpoint_sources(model) -> dict[str, list[str]]:
+    """Each of our parameters → the checkpoint tensors (transformers' names) it is made of, in concatenation order."""
+    sources = {}
+    for name, _ in model.named_parameters():  # a tied lm_head is the embedding, so it is not listed again
+        if ".qkv_proj." in name:
+            sources[name] = [name.replace(".qkv_proj.", f".{part}.") for part in ("q_proj", "k_proj", "v_proj")]
+        elif ".gate_up_proj." in name:
+            sources[name] = [name.replace(".gate_up_proj.", f".{part}.") for part in ("gate_proj", "up_proj")]
+        else:
+            sources[name] = [name]
+    return sources
