@@ -11,6 +11,5 @@ fi
 PY=${PYTHON:-python3}
 # Two pytest-xdist workers, each running a whole file at a time (a module's fixtures are built once); tests/conftest.py
 # gives each worker, and the processes its tests start, half the cores.
-# --no-loadscope-reorder: files are dealt in collection order, which tests/conftest.py starts with the longest
-# (xdist would otherwise deal the files with the most tests first). --durations: the slowest tests in every log.
-exec $PY -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 "$@"
+# --durations: the slowest tests in every log, to keep the suite under its time budget.
+exec $PY -m pytest -q -n 2 --dist loadfile --durations=25 "$@"
