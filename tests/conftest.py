@@ -20,20 +20,6 @@ if _WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
     torch.set_num_threads(_THREADS)
 
-# The files whose tests take minutes (scripts/test.sh prints the slowest), collected first: with whole files dealt to
-# two workers in collection order, a long file dealt last leaves one worker running it alone.
-_LONGEST_FIRST = ("test_object_store_output.py", "test_ray_executor.py", "test_input_formats.py",
-                  "test_object_store_input.py", "test_constrained_e2e.py", "test_triton_aot.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        name = item.path.name
-        return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
-
-
 if not torch.cuda.is_available():
     # The Triton kernels run on CPU tensors through Triton's interpreter. Read when a kernel is decorated, so it is
     # set here, before any test module imports batchgen_kernels' Triton modules.
