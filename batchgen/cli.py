@@ -247,6 +247,8 @@ def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int
     Exit 2 for a problem run would refuse, or a memory estimate above the memory available."""
     from pathlib import Path
 
+    import psutil
+
     from batchgen.job import load_job
     from batchgen.job.plan.estimate import make_plan
     from batchgen.job.plan.report import format_plan
@@ -256,7 +258,7 @@ def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int
     try:
         with reported_failures(debug, resumable=False):
             made = make_plan(load_job(job, overrides), overwrite, sample_rows, cost_per_hour, Path(archive),
-                             probe=not no_probe)
+                             probe=not no_probe, process_started=psutil.Process().create_time())
     finally:
         signal.signal(signal.SIGTERM, previous)
     click.echo(redact(format_plan(made, job)))

@@ -13,7 +13,7 @@ import torch
 from batchgen_kernels import BackendChoice, choose_backend, choose_batch_invariant
 from batchgen_kernels.elementwise import get_elementwise
 
-from ..models.inspector import ModelDescription, describe_model
+from ..models.inspector import CheckpointHeaders, ModelDescription, describe_model, read_checkpoint_headers
 from ..models.registry import ModelError
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
 from ..models.accounting import num_parameters, weight_bytes
@@ -82,11 +82,14 @@ def set_up(args: EngineArgs) -> EngineSetup:
     attention = choose_attention(args.attention_backend, device, args.batch_invariant)  # before the weights load
     args = dataclasses.replace(args, attention_backend=attention.name)  # from here on, the kernels chosen
     model_dir = resolve_model(args.model)
-    description = inspect_model(model_dir)  # config and headers; None: load_model says what is wrong with them
-    if description is not None:  # before anything loads: a shape the kernels cannot compile is one clear error
-        check_attention_shape(args, device, dtype.dtype, description)
-    heap = prefaulted_heap(description, device, dtype.dtype, args.quantization)
+    checkpoint = read_headers(model_dir)
+    # Started before transformers is imported (the config's reading does): its faulting overlaps that and the
+    # tokenizer's loading.
+    heap = prefaulted_heap(checkpoint, device, dtype.dtype, args.quantization)
     try:
+        description = inspect_model(model_dir, checkpoint)  # None: load_model says what is wrong with it
+        if description is not None:  # before anything loads: a shape the kernels cannot compile is one clear error
+            check_attention_shape(args, device, dtype.dtype, description)
         tokenizer = load_tokenizer(model_dir)  # while the heap is faulted in: host_malloc.py
         logger.info("dtype %s", dtype.reason)
         pack = packing_supported(device, dtype.dtype) or upcast_supported(device, dtype.dtype)
@@ -137,23 +140,33 @@ def set_up(args: EngineArgs) -> EngineSetup:
     return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model), eos, runner)
 
 
-def inspect_model(model_dir) -> ModelDescription | None:
+def read_headers(model_dir) -> CheckpointHeaders | None:
+    """The checkpoint's safetensors headers, or None where they cannot be read (load_model says why)."""
+    try:
+        return read_checkpoint_headers(model_dir)
+    except (OSError, ValueError, ModelError):
+        return None
+
+
+def inspect_model(model_dir, checkpoint: CheckpointHeaders | None) -> ModelDescription | None:
     """The model's description (models/inspector.py), or None where its config or headers cannot be read: then
     load_model, which reads the same, says what is wrong with them."""
+    if checkpoint is None:
+        return None
     try:
-        return describe_model(model_dir)
+        return describe_model(model_dir, checkpoint=checkpoint)
     except (OSError, ValueError, KeyError, TypeError, ModelError):
         return None
 
 
-def prefaulted_heap(model: ModelDescription | None, device: torch.device, dtype: torch.dtype,
+def prefaulted_heap(checkpoint: CheckpointHeaders | None, device: torch.device, dtype: torch.dtype,
                     quantization: str | None) -> PrefaultedHeap | None:
     """On the CPU, the heap for the weights to come (every number the checkpoint holds, at `dtype`), faulted in
-    beside the tokenizer's loading; not for int8 weights, which take a fraction of what is read (the rest would be
-    resident until the load ends)."""
-    if device.type != "cpu" or quantization is not None or model is None:
+    beside the config's and the tokenizer's loading; not for int8 weights, which take a fraction of what is read
+    (the rest would be resident until the load ends)."""
+    if device.type != "cpu" or quantization is not None or checkpoint is None:
         return None
-    return PrefaultedHeap(model.checkpoint_numel * dtype.itemsize)
+    return PrefaultedHeap(checkpoint.numel * dtype.itemsize)
 
 
 def choose_attention(name: str, device: torch.device, batch_invariant: bool = False) -> BackendChoice:

@@ -85,23 +85,40 @@ class ModelDescription:
         return {key: value for key, value in asdict(self).items() if key != "tensors"}
 
 
-def describe_model(model_dir: Path, config=None) -> ModelDescription:
-    """The model in `model_dir`: its config (AutoConfig, unless given) and its safetensors headers. Raises what
-    reading them raises: OSError or ValueError for an unreadable config, UnsupportedModelError (a ValueError) for an
-    architecture or setting our models do not implement, SafetensorsHeaderError (a ValueError) for a header that is
-    not one."""
+@dataclass(frozen=True)
+class CheckpointHeaders:
+    """What a model directory's safetensors headers say, read without a weight (nor transformers)."""
+
+    entries: dict[str, dict]  # checkpoint tensor name -> its header entry (dtype, shape)
+    files: int  # shards
+    numel: int  # every number the shards hold, tensors the loader skips included
+
+
+def read_checkpoint_headers(model_dir: Path) -> CheckpointHeaders:
+    """The headers of the safetensors files in `model_dir`. Raises OSError, ModelError (no weights) or
+    SafetensorsHeaderError (a ValueError) for a header that is not one."""
+    files = weight_files(Path(model_dir))
+    entries = {}
+    numel = 0
+    for file in files:
+        for name, entry in read_safetensors_header(file).entries.items():
+            entries[name] = entry
+            numel += math.prod(entry["shape"])
+    return CheckpointHeaders(entries, len(files), numel)
+
+
+def describe_model(model_dir: Path, config=None, checkpoint: CheckpointHeaders | None = None) -> ModelDescription:
+    """The model in `model_dir`: its config (AutoConfig, unless given) and its safetensors headers (read, unless
+    given). Raises what reading them raises: OSError or ValueError for an unreadable config, UnsupportedModelError
+    (a ValueError) for an architecture or setting our models do not implement, SafetensorsHeaderError (a ValueError)
+    for a header that is not one."""
     if config is None:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir)
-    files = weight_files(Path(model_dir))
-    headers = {}  # checkpoint tensor name -> its header entry
-    numel = 0
-    for file in files:
-        for name, entry in read_safetensors_header(file).entries.items():
-            headers[name] = entry
-            numel += math.prod(entry["shape"])
-    return describe_config(config, headers, len(files), numel)
+    if checkpoint is None:
+        checkpoint = read_checkpoint_headers(model_dir)
+    return describe_config(config, checkpoint.entries, checkpoint.files, checkpoint.numel)
 
 
 def describe_config(config, headers: dict[str, dict] | None = None, files: int = 0,

@@ -90,8 +90,10 @@ class Plan:
 
 
 def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 1000, cost_per_hour: float | None = None,
-              archive: Path = Path("docs/performance-archive.jsonl"), probe: bool = False) -> Plan:
-    """Every figure of the plan. Raises JobConfigError for a problem that leaves nothing to plan; the others (the
+              archive: Path = Path("docs/performance-archive.jsonl"), probe: bool = False,
+              process_started: float | None = None) -> Plan:
+    """Every figure of the plan. `process_started` (the CLI's process start, epoch seconds): a probe then counts
+    the process's start-up too (probe.py). Raises JobConfigError for a problem that leaves nothing to plan; the others (the
     output refused, memory short) are in `problems`."""
     from batchgen.models.packed_linear import packing_supported
 
@@ -149,7 +151,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     if probe and time.seconds is None and not problems and rows_left and tokens.leading:  # measure it (probe.py)
         from .probe import probe_time
         plan.time = probe_time(config, str(model_dir), rows_left, tokens.leading, max(decode_batch, 1),
-                               computed * scale, tokens.output_bound * scale, tokens.scored * scale, time.how)
+                               computed * scale, tokens.output_bound * scale, tokens.scored * scale, time.how,
+                               process_started)
     return plan
 
 

@@ -16,7 +16,9 @@ shorter contexts than the job's.
 The estimate is the job's computed prompt tokens and `choice` candidates' tokens at the prefill rate plus its other
 output tokens at the decode rate, every figure the plan's for the whole job. As with a bench record, every row is
 taken to run to its max_tokens in a full batch: rows that stop early (EOS) make the run shorter, a batch that thins
-out at the job's end makes it longer. tests/test_plan_probe.py holds it to within 2x of a real run of the sample job.
+out at the job's end makes it longer. Added to it: the model load (the probe's engine start, less a kernel build)
+and, from the CLI, the start-up (this process's age when the probe began: the run's imports and input reading are
+the same). tests/test_plan_probe.py holds the sum to within 2x of a real run's wall time on the sample job.
 """
 from __future__ import annotations
 
@@ -54,11 +56,15 @@ class ProbeFailed(RuntimeError):
 
 
 def probe_time(config, model: str, rows_left: int, prompts: list[list[int]], batch: int, computed: float,
-               output: float, scored: float, no_record: str) -> TimeEstimate:
+               output: float, scored: float, no_record: str, process_started: float | None = None) -> TimeEstimate:
     """The time estimate from a probe. `model`: the model directory the plan resolved; `prompts`: the token ids of
     the sample's first rows in the run's order; `batch`: the run's decode batch; `computed`, `output`, `scored`: the
     whole job's prompt tokens to compute (less the prefix cache's), output tokens (their bound) and, of those, the
-    tokens `choice` candidates compute; `no_record`: why no bench record served."""
+    tokens `choice` candidates compute; `no_record`: why no bench record served; `process_started`: when this
+    process started (epoch seconds), where it is the CLI's: what it did before the probe (interpreter, imports, the
+    job and its input read, a sample tokenized) is what the run does before its engine, so its time is the run's
+    start-up."""
+    startup_s = None if process_started is None else max(time.time() - process_started, 0.0)
     try:
         found = run_probe(engine_args_for(config, rows_left, model), prompts, batch)
     except ProbeFailed as exc:
@@ -71,7 +77,7 @@ def probe_time(config, model: str, rows_left: int, prompts: list[list[int]], bat
     how = (f"{found.per_prompt_token * 1e3:.2f} ms per prompt token computed (a {found.chunk_tokens:,}-token prefill "
            f"chunk), {found.per_output_token * 1e3:.2f} ms per output token ({found.decode_steps} decode steps at "
            f"batch {found.batch})")
-    return TimeEstimate(seconds, found.load_s, how, (), found, probed=True)
+    return TimeEstimate(seconds, found.load_s, how, (), found, probed=True, startup_s=startup_s)
 
 
 def trust_lines(found: ProbeResult) -> list[str]:

@@ -152,8 +152,9 @@ def _time(plan: Plan) -> list[str]:
         source = trust_lines(t.probe)
     else:
         source = ["bench records " + ", ".join(t.records)]
-    return [f"~{t.seconds:,.1f} s of generation for all {total:,} rows (+ {t.load_s:.1f} s model load){left}; "
-            f"{t.how}", *source] + plan.precision
+    startup = "" if t.startup_s is None else f", + {t.startup_s:.1f} s start-up: ~{t.total_s:,.1f} s in all"
+    return [f"~{t.seconds:,.1f} s of generation for all {total:,} rows (+ {t.load_s:.1f} s model load{startup})"
+            f"{left}; {t.how}", *source] + plan.precision
 
 
 def _seconds_left(plan: Plan) -> float:
@@ -168,10 +169,11 @@ def _cost(plan: Plan) -> list[str]:
         return ["no time estimate, so no cost"]
     if plan.rows_left == 0:
         return ["nothing left to generate"]
-    seconds = _seconds_left(plan) + (t.load_s or 0.0)
+    seconds = _seconds_left(plan) + (t.load_s or 0.0) + (t.startup_s or 0.0)
     dollars = seconds / 3600 * plan.cost_per_hour
     output = plan.tokens.output_bound * plan.rows_left / plan.tokens.sampled
-    return [f"~${dollars:,.4f} at ${plan.cost_per_hour:,.2f}/h for {seconds:,.1f} s (load included): "
+    included = "load included" if t.startup_s is None else "start-up and load included"
+    return [f"~${dollars:,.4f} at ${plan.cost_per_hour:,.2f}/h for {seconds:,.1f} s ({included}): "
             f"~{output / dollars:,.0f} output tokens per dollar (at most {output:,.0f} output tokens)"]
 
 

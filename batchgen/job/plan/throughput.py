@@ -22,6 +22,13 @@ class TimeEstimate:
     records: tuple[str, ...] = ()
     probe: Any = None  # probe.ProbeResult, where the rates come from a probe instead of bench records
     probed: bool = False  # a probe started the engine (the weights loaded), whether or not it timed anything
+    startup_s: float | None = None  # the command's own start before its engine (interpreter, imports, the job and
+    #                                 input read): the plan process's, measured where the CLI gave its start
+
+    @property
+    def total_s(self) -> float:
+        """Start-up, model load and generation: the command's wall time to expect."""
+        return (self.startup_s or 0.0) + (self.load_s or 0.0) + (self.seconds or 0.0)
 
 
 def estimate_time(archive: Path, model: str, device: dict[str, Any], prompt_tokens: float,
