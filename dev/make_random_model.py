@@ -5,6 +5,7 @@ checkout is refused.
 
     PYTHONPATH=$PWD:$PWD/kernels python dev/make_random_model.py --shape llama-1b
     PYTHONPATH=$PWD:$PWD/kernels python dev/make_random_model.py --shape llama-8b --dry-run
+    PYTHONPATH=$PWD:$PWD/kernels python dev/make_random_model.py --shape moe-1b-16x2   # the MoE bench's model
 
 The vocabulary is the tokenizer's (default: batchgen's default model, SmolLM2's 49152 tokens), so the embedding and
 LM head are smaller than the real models'. The weights are written shard by shard (at most --max-shard-gib each):
@@ -41,6 +42,8 @@ _GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", 
            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None,
            "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "attention_bias": False,
            "attn_logit_softcapping": None, "final_logit_softcapping": None, "tie_word_embeddings": True}
+_MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+            "initializer_range": 0.02, "sliding_window": None, "router_jitter_noise": 0.0}
 
 # The real models' config.json, less the vocabulary and token ids (the tokenizer's here).
 SHAPES: dict[str, dict] = {
@@ -63,6 +66,23 @@ SHAPES: dict[str, dict] = {
                     "num_key_value_heads": 1, "intermediate_size": 2048},
     "gemma3-1b": {**_GEMMA3, "hidden_size": 1152, "num_hidden_layers": 26, "num_attention_heads": 4,
                   "num_key_value_heads": 1, "intermediate_size": 6912},
+    # Mixture-of-experts. moe-1b-16x2 is no released model but llama-1b with 16 experts of half its MLP, top-2: the
+    # same active parameters (1.07 B), for the MoE bench against llama-1b (docs/moe.md).
+    "moe-1b-16x2": {**_MIXTRAL, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                    "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 4096, "num_local_experts": 16,
+                    "num_experts_per_tok": 2, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                    "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": True},
+    "mixtral-8x7b": {**_MIXTRAL, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "intermediate_size": 14336, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1000000.0, "tie_word_embeddings": False},
+    "qwen1.5-moe-a2.7b": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+                          "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                          "intermediate_size": 5632, "moe_intermediate_size": 1408,
+                          "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+                          "norm_topk_prob": False, "decoder_sparse_step": 1, "hidden_act": "silu",
+                          "initializer_range": 0.02, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                          "rope_theta": 1000000.0, "use_sliding_window": False, "tie_word_embeddings": False},
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -110,7 +130,7 @@ def model_config(shape: str, tokenizer, overrides: Overrides = Overrides()) -> d
     vocabulary and ids, the overrides, and every other field at its transformers default."""
     from transformers import CONFIG_MAPPING
 
-    fields = {**copy.deepcopy(SHAPES[shape]), "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+    fields = {**copy.deepcopy(shape_fields(shape)), "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
               "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     if overrides.hidden is not None:  # keep the real heads and head size: what the attention kernels see
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
@@ -126,6 +146,25 @@ def model_config(shape: str, tokenizer, overrides: Overrides = Overrides()) -> d
     return {**filled, **fields}
 
 
+def shape_fields(shape: str) -> dict:
+    """A named shape's fields, or for any other name a transformers model_type with a causal LM (phi3, gpt_oss,
+    deepseek_v3, ...): that architecture at transformers' own default config, which is mostly its reference model's
+    shape (e.g. Phi-3-mini for phi3), to be cut down with the overrides."""
+    if shape in SHAPES:
+        return SHAPES[shape]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if shape not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise RandomModelError(f"unknown shape {shape!r}: neither one of {', '.join(SHAPES)} nor a transformers "
+                               f"model_type with a causal LM")
+    from transformers import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[shape]().to_dict()
+    for key in ("transformers_version", "dtype", "torch_dtype", "architectures"):
+        defaults.pop(key, None)
+    return {**defaults, "model_type": shape, "architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[shape]]}
+
+
 def hf_config(config: dict):
     """The transformers config of a config.json dict, as from_pretrained builds it."""
     from transformers import CONFIG_MAPPING
@@ -134,13 +173,35 @@ def hf_config(config: dict):
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the checkpoint, named as transformers names it, from the model built on the meta device (no
+    """Every tensor of the checkpoint, named as transformers saves it, from the model built on the meta device (no
     memory); a tied LM head is the embedding, so it is not listed."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(config))
-    return {name: tuple(param.shape) for name, param in model.named_parameters()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in model.named_parameters():
+        shapes.update(saved_tensors(name, tuple(param.shape), config["model_type"]))
+    return shapes
+
+
+# How transformers 5's save_pretrained writes the experts it holds as one 3D tensor per projection
+# (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]): one tensor per expert and projection,
+# under the block's and projections' names of the model's original checkpoints.
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+_EXPERT_NAMES_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+def saved_tensors(name: str, shape: tuple[int, ...], model_type: str) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors that transformers saves for its parameter `name`."""
+    block, gate, up, down = _EXPERT_NAMES.get(model_type, _EXPERT_NAMES_DEFAULT)
+    layer, found, projection = name.partition("mlp.experts.")
+    if found and projection in ("gate_up_proj", "down_proj"):
+        experts, rows, columns = shape
+        parts = ((gate, rows // 2), (up, rows // 2)) if projection == "gate_up_proj" else ((down, rows),)
+        return {f"{layer}{block}.experts.{e}.{part}.weight": (part_rows, columns)
+                for e in range(experts) for part, part_rows in parts}
+    return {name.replace(".mlp.", f".{block}."): shape}
 
 
 def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, std: float,
@@ -242,8 +303,7 @@ def make_random_model(shape: str, out: Path | None = None, *, dtype: str = "bflo
                       max_shard_bytes: int = 2 * GIB, force: bool = False, dry_run: bool = False) -> Summary:
     """Write the model directory (with dry_run, only plan it: nothing is written) and return its summary."""
     start = time.monotonic()
-    if shape not in SHAPES:
-        raise RandomModelError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    shape_fields(shape)  # a name it knows
     if dtype not in DTYPES:
         raise RandomModelError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     if max_shard_bytes <= 0:
@@ -275,7 +335,8 @@ def _write_json(path: Path, value: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", required=True, choices=SHAPES)
+    parser.add_argument("--shape", required=True, help=f"one of {', '.join(SHAPES)}, or any transformers "
+                                                        f"model_type with a causal LM (its default config)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="default: $BATCHGEN_CACHE_DIR (~/.cache/batchgen)/random-models/"

@@ -266,31 +266,32 @@ def test_gguf_that_cannot_be_converted_is_a_job_error(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
 
 
-def gpt2_directory(path: Path) -> Path:
-    from transformers import GPT2Config
+def mamba_directory(path: Path) -> Path:
+    from transformers import MambaConfig
 
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(path)
+    MambaConfig(num_hidden_layers=1, hidden_size=32, architectures=["MambaForCausalLM"]).save_pretrained(path)
     return path
 
 
 def test_unsupported_architecture_is_named_before_missing_weights(tmp_path):
-    model_dir = gpt2_directory(tmp_path / "gpt2")
+    model_dir = mamba_directory(tmp_path / "mamba")
     job = set_keys(make_job(tmp_path, 2), model=str(model_dir))
-    assert "model: unsupported model architecture 'GPT2LMHeadModel'" in job_error(job)
-    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+    assert "model: unsupported model architecture 'MambaForCausalLM'" in job_error(job)
+    with pytest.raises(UnsupportedModelError, match="MambaForCausalLM"):
         load_model(model_dir, torch.float32, "cpu")
 
 
-def test_unsupported_config_setting_is_an_unsupported_model(tiny_llama_dir, tmp_path):
-    """Found while building the model (after the weights were found): still a ModelError, so a job error."""
+def test_a_setting_the_native_model_lacks_takes_the_generic_path(tiny_llama_dir, tmp_path):
+    """A Llama with YaRN RoPE scaling, which batchgen's Llama does not implement: transformers' code runs it."""
     model_dir = tmp_path / "yarn"
     shutil.copytree(tiny_llama_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     config.pop("rope_parameters", None)
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
     (model_dir / "config.json").write_text(json.dumps(config))
+    assert type(load_model(model_dir, torch.float32, "cpu")).__name__ == "TransformersCausalLM"
     with pytest.raises(UnsupportedModelError, match="yarn"):
-        load_model(model_dir, torch.float32, "cpu")
+        load_model(model_dir, torch.float32, "cpu", model_impl="native")
 
 
 # -- items 7 and 8: output directories that cannot be used ---------------------------------------------------------------

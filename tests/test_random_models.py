@@ -156,3 +156,17 @@ def test_existing_model_is_replaced_only_with_force(tiny, default_model_dir):
     make_tiny("llama-1b", model_dir, default_model_dir, force=True)
     after = read_tensors(model_dir)
     assert after.keys() == before.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "olmo2"])
+def test_any_transformers_architecture(model_type, tmp_path, default_model_dir):
+    """--shape takes any transformers model_type with a causal LM: its default config, cut down; transformers
+    and batchgen (the generic path) load what it writes."""
+    out = tmp_path / model_type
+    mrm.make_random_model(model_type, out, tokenizer_dir=default_model_dir, dtype="float32",
+                          overrides=mrm.Overrides(layers=2, hidden=64, intermediate=128, head_dim=16))
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == model_type and config["num_hidden_layers"] == 2
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    assert type(load_model(out, torch.float32, "cpu")).__name__ == "TransformersCausalLM"

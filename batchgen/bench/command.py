@@ -6,6 +6,7 @@ import logging
 
 import click
 
+from batchgen.engine.engine_args import MODEL_IMPLS
 from batchgen.failures import EXIT_JOB, fail
 
 from .system_types import DTYPES
@@ -66,6 +67,9 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
                    "int8-weight-only: int8 weights, activations in the dtype); vLLM runs the same int8 weights as "
                    "W8A8 and has no weight-only int8. With --roofline: a comma-separated list, 'none' for "
                    "unquantized [default: none].")
+@click.option("--model-impl", type=click.Choice(MODEL_IMPLS), default=None,
+              help="batchgen's engine model_impl: native (its own implementation), transformers (the model's "
+                   "transformers code on batchgen's engine: the generic path) or auto [default: the job's, or auto].")
 @click.option("--roofline", is_flag=True,
               help="Instead of the systems: time one engine decode step at each batch and context, and one "
                    "prefill step, against the machine's floor (memory bandwidth and matmul rate measured in the "
@@ -82,7 +86,7 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
           hf_batch_sizes: tuple[int, ...], vllm_python: str | None, out_dir: str, archive: str, history: bool,
           max_num_seqs: int | None, kv_cache_memory: str | None, hf_continuous_time_limit: float,
           max_tokens_scale: float, dtype: str | None, hf_dtype: str | None, vllm_threads_bind: str, model: str | None,
-          ignore_eos: bool, max_tokens: int | None, quantization: str | None, roofline: bool,
+          ignore_eos: bool, max_tokens: int | None, quantization: str | None, model_impl: str | None, roofline: bool,
           roofline_batches: tuple[int, ...], roofline_contexts: tuple[int, ...], roofline_prefill: str,
           roofline_reps: int) -> None:
     """Benchmark batchgen against transformers (static and continuous batching) and vLLM on the same rows,
@@ -108,7 +112,8 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
                          max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
                          max_tokens_scale=max_tokens_scale, hf_continuous_time_limit_s=hf_continuous_time_limit,
                          dtype=dtype, hf_dtype=hf_dtype, vllm_threads_bind=vllm_threads_bind, model=model,
-                         ignore_eos=ignore_eos, max_tokens=max_tokens, quantization=quantization)
+                         ignore_eos=ignore_eos, max_tokens=max_tokens, quantization=quantization,
+                         model_impl=model_impl)
     try:
         result = run_bench(config, log=lambda line: click.echo(line, err=True))
     except ValueError as exc:  # a bad option or job file (JobConfigError is a ValueError)

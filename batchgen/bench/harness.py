@@ -41,6 +41,7 @@ class BenchConfig:
     ignore_eos: bool = False  # fixed length: every row generates exactly its max_tokens, EOS or not
     max_tokens: int | None = None  # every row's max_tokens; default: the workload's own (times max_tokens_scale)
     quantization: str | None = None  # batchgen's engine quantization; vLLM runs the nearest it has (vllm_system.py)
+    model_impl: str | None = None  # batchgen's engine model_impl (native or transformers' code: the generic path)
 
     def validate(self) -> None:
         unknown = [name for name in self.systems if name not in SYSTEMS]
@@ -126,7 +127,8 @@ def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
         engine_args = EngineArgs(model=config.model or "default")
     overrides = {key: value for key, value in (("max_num_seqs", config.max_num_seqs),
                                                ("kv_cache_memory", config.kv_cache_memory),
-                                               ("quantization", config.quantization)) if value is not None}
+                                               ("quantization", config.quantization),
+                                               ("model_impl", config.model_impl)) if value is not None}
     engine_args = dataclasses.replace(engine_args, **overrides)
     engine_args.validate()
     # One explicit dtype for batchgen and vLLM, recorded as such: --dtype, else the job's, else float32.

@@ -172,6 +172,8 @@ class Engine:
             "kv_cache_tokens": self.kv_capacity,
             "dtype": str(self.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
+            "model_path": self.plan.model.path,  # native (batchgen's implementation) or generic (transformers' code)
+            "architecture": self.plan.model.architecture,
             "attention_backend": self.attention.name,
             "attention_backend_reason": self.attention.reason,
             "weights_bytes": self.weights_bytes,

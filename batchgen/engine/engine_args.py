@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .errors import SettingError
 
+MODEL_IMPLS = ("auto", "native", "transformers")  # models/registry.py's model_path reads them
 QUANTIZATIONS = ("int8", "int8-weight-only")  # models/quantization.py implements them (QUANTIZED_ACTIVATIONS)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -51,6 +52,8 @@ class EngineArgs:
     seed: int = 0  # seeds the seeds drawn for requests that bring none
     quantization: str | None = None  # None | int8 | int8-weight-only: int8 weights for every decoder Linear and the
     # LM head; int8 quantizes the activations too on the CPU (W8A8), int8-weight-only keeps them (needs bf16/fp16)
+    model_impl: str = "auto"  # auto (batchgen's own implementation where it has one, else transformers' modeling
+    # code on this engine) | native | transformers
     batch_invariant: bool = False  # a row's logits the same whatever its batch, chunking, prefix-cache hit,
     # preemption or thread count (CPU only; the C++ kernels): every query row through one attention kernel
 
@@ -63,7 +66,8 @@ class EngineArgs:
         if not isinstance(self.model, str) or not self.model:
             raise SettingError("model", f"model must be a non-empty string, got {self.model!r}")
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda"),
-                   "attention_backend": ("auto", "torch", "triton", "cpu")}
+                   "attention_backend": ("auto", "torch", "triton", "cpu"),
+                   "model_impl": MODEL_IMPLS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise SettingError(name, f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")

@@ -14,7 +14,7 @@ from batchgen_kernels import BackendChoice, choose_backend, choose_batch_invaria
 from batchgen_kernels.elementwise import get_elementwise
 
 from ..models.inspector import CheckpointHeaders, ModelDescription, describe_model, read_checkpoint_headers
-from ..models.registry import ModelError
+from ..models.registry import NATIVE, ModelError
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
 from ..models.accounting import num_parameters, weight_bytes
 from ..models.packed_linear import PackedLinear, packing_supported
@@ -87,7 +87,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     # tokenizer's loading.
     heap = prefaulted_heap(checkpoint, device, dtype.dtype, args.quantization)
     try:
-        description = inspect_model(model_dir, checkpoint)  # None: load_model says what is wrong with it
+        description = inspect_model(model_dir, checkpoint, args.model_impl)  # None: load_model says what is wrong with it
         if description is not None:  # before anything loads: a shape the kernels cannot compile is one clear error
             check_attention_shape(args, device, dtype.dtype, description)
         tokenizer = load_tokenizer(model_dir)  # while the heap is faulted in: host_malloc.py
@@ -97,7 +97,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
             heap.hand_over()
         elif device.type == "cpu":  # each layer's plain copy back to the system as soon as it is freed
             return_freed_memory_at_once()
-        model = load_model(model_dir, dtype.dtype, device, args.quantization, pack)
+        model = load_model(model_dir, dtype.dtype, device, args.quantization, pack, args.model_impl)
     finally:
         if heap is not None:
             heap.close()
@@ -121,7 +121,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     eos = eos_token_ids(model_dir, tokenizer)
     if description is None:  # the checkpoint loaded, so its config and headers read now
-        description = describe_model(model_dir)
+        description = describe_model(model_dir, model_impl=args.model_impl)
         check_attention_shape(args, device, dtype.dtype, description)
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
     plan = plan_engine(args, description, lambda: profile_step(
@@ -134,7 +134,9 @@ def set_up(args: EngineArgs) -> EngineSetup:
         keep_step_memory()
     if attention.name == "triton" and device.type == "cuda":  # the kernels chosen above
         compile_attention_kernels(model, max_model_len)  # no step of the run compiles a kernel
-    if device.type == "cuda" and not args.enforce_eager:
+    # The generic path's transformers code may sync with the host inside a step (an MoE's routing by expert, say),
+    # which a CUDA graph cannot capture: its decode steps run eagerly.
+    if device.type == "cuda" and not args.enforce_eager and plan.model.path == NATIVE:
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention,
                                                      bool(plan.kv_layout.local_layers))
     return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model), eos, runner)
@@ -148,13 +150,13 @@ def read_headers(model_dir) -> CheckpointHeaders | None:
         return None
 
 
-def inspect_model(model_dir, checkpoint: CheckpointHeaders | None) -> ModelDescription | None:
+def inspect_model(model_dir, checkpoint: CheckpointHeaders | None, model_impl: str = "auto") -> ModelDescription | None:
     """The model's description (models/inspector.py), or None where its config or headers cannot be read: then
     load_model, which reads the same, says what is wrong with them."""
     if checkpoint is None:
         return None
     try:
-        return describe_model(model_dir, checkpoint=checkpoint)
+        return describe_model(model_dir, checkpoint=checkpoint, model_impl=model_impl)
     except (OSError, ValueError, KeyError, TypeError, ModelError):
         return None
 

@@ -16,12 +16,19 @@ def summary_table(s: dict, path: str) -> str:
         *([("kernel build", kernel_build_line(s))] if s.get("kernel_build_s") else []),
         ("preemptions", f"{s['preemptions']:,}"),
         *([("dtype", s["dtype_reason"])] if s.get("dtype_reason") else []),
+        *([("model path", model_path_line(stats))] if (stats := s.get("engine_stats") or {}).get("model_path") else []),
         *([("attention", why)] if (why := (s.get("engine_stats") or {}).get("attention_backend_reason")) else []),
         *memory_lines(s),
         ("output", f"{path}  ({reader_hint(s, path)})"),
     ]
     width = max(len(name) for name, _ in lines)
     return "\n".join(["batchgen: done"] + [f"  {name:<{width}}  {value}" for name, value in lines])
+
+
+def model_path_line(stats: dict) -> str:
+    if stats["model_path"] == "generic":
+        return f"generic: transformers' {stats['architecture']} code on batchgen's engine"
+    return f"native: batchgen's {stats['architecture']}"
 
 
 def output_tokens_line(s: dict) -> str:

@@ -21,8 +21,8 @@ def num_parameters(model: nn.Module) -> int:
             count += module.in_features * module.out_features
         elif isinstance(module, Int8Linear):
             count += module.qweight.numel()
-    head, embedding = model.lm_head, model.model.embed_tokens.weight
-    if model.variant.tie_word_embeddings and getattr(head, "weight", None) is not embedding:
+    head, embedding = model.output_head, model.input_embeddings.weight
+    if model.head_tied and getattr(head, "weight", None) is not embedding:
         count -= embedding.numel()  # the head is a copy of the table: once
     return count
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint_files import weight_files
-from .registry import architecture_of, build_model, model_variant
+from .registry import GENERIC, NATIVE, architecture_of, build_model, model_path, model_variant
 from .safetensors_header import read_safetensors_header
 
 TASK_GENERATE = "generate"  # a decoder's next-token generation: the one task the engine runs today
@@ -62,6 +62,8 @@ class ModelDescription:
     #                                    without lm_head.weight)
     num_experts: int = 0  # MoE experts per layer (0: dense)
     task: str = TASK_GENERATE
+    path: str = NATIVE  # registry.NATIVE (batchgen's implementation) or GENERIC (transformers' code on the engine)
+    value_dim: int = 0  # the values' head width where it is not head_dim (MLA: values cached padded to head_dim)
     parameters: int = 0  # the model's parameters, a tied head counted once
     files: int = 0  # checkpoint shards (0: described from a config alone)
     checkpoint_numel: int = 0  # every number the shards hold, tensors the loader skips included
@@ -107,7 +109,8 @@ def read_checkpoint_headers(model_dir: Path) -> CheckpointHeaders:
     return CheckpointHeaders(entries, len(files), numel)
 
 
-def describe_model(model_dir: Path, config=None, checkpoint: CheckpointHeaders | None = None) -> ModelDescription:
+def describe_model(model_dir: Path, config=None, checkpoint: CheckpointHeaders | None = None,
+                   model_impl: str = "auto") -> ModelDescription:
     """The model in `model_dir`: its config (AutoConfig, unless given) and its safetensors headers (read, unless
     given). Raises what reading them raises: OSError or ValueError for an unreadable config, UnsupportedModelError
     (a ValueError) for an architecture or setting our models do not implement, SafetensorsHeaderError (a ValueError)
@@ -118,13 +121,15 @@ def describe_model(model_dir: Path, config=None, checkpoint: CheckpointHeaders |
         config = AutoConfig.from_pretrained(model_dir)
     if checkpoint is None:
         checkpoint = read_checkpoint_headers(model_dir)
-    return describe_config(config, checkpoint.entries, checkpoint.files, checkpoint.numel)
+    return describe_config(config, checkpoint.entries, checkpoint.files, checkpoint.numel, model_impl)
 
 
 def describe_config(config, headers: dict[str, dict] | None = None, files: int = 0,
-                    checkpoint_numel: int = 0) -> ModelDescription:
+                    checkpoint_numel: int = 0, model_impl: str = "auto") -> ModelDescription:
     """The model a transformers `config` builds; with `headers` (checkpoint tensor name -> header entry), the
     checkpoint's say in it too: no lm_head.weight means a tied head (the loader's rule), and the tensors read."""
+    if model_path(config, model_impl) == GENERIC:
+        return describe_generic(config, headers, files, checkpoint_numel)
     variant = model_variant(config)
     if headers is not None:
         variant = checkpoint_variant(variant, headers)
@@ -135,7 +140,7 @@ def describe_config(config, headers: dict[str, dict] | None = None, files: int =
                                      len(sources) > 1, param in linear)
                     for param, sources in checkpoint_sources(model).items() for name in sources
                     if headers is not None and name in headers)
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    experts = getattr(model, "num_experts", 0)  # the architecture's own reading of its config (moe_models.py)
     return ModelDescription(
         architecture=architecture_of(config), num_layers=model.num_layers, num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, hidden_size=config.hidden_size,
@@ -146,13 +151,39 @@ def describe_config(config, headers: dict[str, dict] | None = None, files: int =
         checkpoint_numel=checkpoint_numel, tensors=tensors)
 
 
+def describe_generic(config, headers: dict[str, dict] | None, files: int, checkpoint_numel: int) -> ModelDescription:
+    """A model on the generic path: transformers' own class built on the meta device and read off
+    (generic_support.describe)."""
+    from .generic_support import build_on_meta, describe
+
+    model = build_on_meta(config)
+    shape = describe(model, config)
+    linear = {f"{name}.weight" for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    names = {name for name, _ in model.named_parameters()}
+    tensors = tuple(CheckpointTensor(name, name, entry["dtype"], tuple(entry["shape"]), False, name in linear)
+                    for name, entry in (headers or {}).items() if name in names)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return ModelDescription(
+        architecture=type(model).__name__, num_layers=shape.num_layers, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, hidden_size=text.hidden_size,
+        intermediate_size=getattr(text, "intermediate_size", 0) or 0, vocab_size=shape.vocab_size,
+        max_model_len=shape.max_model_len, layer_windows=shape.layer_windows,
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)), num_experts=shape.experts,
+        path=GENERIC, value_dim=shape.value_dim, parameters=shape.parameters, files=files,
+        checkpoint_numel=checkpoint_numel, tensors=tensors)
+
+
 def checkpoint_variant(variant, names) -> object:
     """The variant a checkpoint holding tensors `names` loads as: one without lm_head.weight is tied."""
     return variant if "lm_head.weight" in names else replace(variant, tie_word_embeddings=True)
 
 
 def checkpoint_sources(model) -> dict[str, list[str]]:
-    """Each of our parameters → the checkpoint tensors (transformers' names) it is made of, in concatenation order."""
+    """Each of our parameters → the checkpoint tensors (transformers' names) it is made of, in concatenation order.
+    An expert's are named as transformers 5 saves them (`mlp.experts.N.gate_proj.weight`, one tensor per expert and
+    projection); a model whose checkpoints name some otherwise says so with its `checkpoint_name` (Mixtral's
+    `block_sparse_moe.experts.N.w1`: moe_models.py)."""
+    rename = getattr(model, "checkpoint_name", lambda name: name)
     sources = {}
     for name, _ in model.named_parameters():  # a tied lm_head is the embedding, so it is not listed again
         if ".qkv_proj." in name:
@@ -161,4 +192,4 @@ def checkpoint_sources(model) -> dict[str, list[str]]:
             sources[name] = [name.replace(".gate_up_proj.", f".{part}.") for part in ("gate_proj", "up_proj")]
         else:
             sources[name] = [name]
-    return sources
+    return {param: [rename(name) for name in names] for param, names in sources.items()}

@@ -27,6 +27,8 @@ class LlamaVariant:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    qk_norm_whole: bool = False  # OLMoE: the q and k norms span the whole projection, not each head
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv after the norms
     tie_word_embeddings: bool = False
 
 
@@ -101,12 +103,13 @@ class RotaryEmbedding(nn.Module):
 class SelfAttention(nn.Module):
     """Fused Q/K/V, optional per-head q/k norms before RoPE, paged attention, the output projection: the one attention
     of every architecture (gemma3.py's too), whose differences are arguments: the biases, the q/k norm's class
-    (Qwen3's RMSNorm, Gemma's (1 + w) one), the scale (default 1/sqrt(head_dim)) and the layer's sliding window.
-    The RoPE table is forward's argument: the caller picks it per layer kind."""
+    (Qwen3's RMSNorm, Gemma's (1 + w) one) and its span (each head, or OLMoE's whole projection), OLMoE's clamp,
+    the scale (default 1/sqrt(head_dim)) and the layer's sliding window. The RoPE table is forward's argument: the
+    caller picks it per layer kind."""
 
     def __init__(self, config, head_dim: int, num_kv_heads: int, *, qkv_bias: bool = False, o_proj_bias: bool = False,
-                 qk_norm: Callable[[int, float], nn.Module] | None = None, scale: float | None = None,
-                 sliding_window: int | None = None) -> None:
+                 qk_norm: Callable[[int, float], nn.Module] | None = None, qk_norm_whole: bool = False,
+                 clip_qkv: float | None = None, scale: float | None = None, sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = num_kv_heads
@@ -116,9 +119,11 @@ class SelfAttention(nn.Module):
         hidden = config.hidden_size
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=o_proj_bias)
+        self.qk_norm_whole = qk_norm_whole
+        self.clip_qkv = clip_qkv
         if qk_norm is not None:
-            self.q_norm = qk_norm(head_dim, config.rms_norm_eps)
-            self.k_norm = qk_norm(head_dim, config.rms_norm_eps)
+            self.q_norm = qk_norm(self.q_size if qk_norm_whole else head_dim, config.rms_norm_eps)
+            self.k_norm = qk_norm(self.kv_size if qk_norm_whole else head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, num_kv_heads, head_dim,
@@ -128,10 +133,15 @@ class SelfAttention(nn.Module):
                 ops) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:  # per-head norms before RoPE: normalise q and k, then lay them out as one row again
+        if self.q_norm is not None or self.clip_qkv is not None:  # before RoPE: then laid out as one row again
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
+            if self.q_norm is not None and self.qk_norm_whole:
+                q, k = self.q_norm(q), self.k_norm(k)
+            elif self.q_norm is not None:
+                q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)
+                k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
+            if self.clip_qkv is not None:
+                q, k, v = (part.clamp(-self.clip_qkv, self.clip_qkv) for part in (q, k, v))
             qkv = torch.cat((q, k, v), dim=-1)
         q, k = ops.rope_qk(qkv, positions, rope.cos, rope.sin, self.num_heads, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -142,22 +152,26 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, config, variant: LlamaVariant) -> None:
+    def __init__(self, config, variant: LlamaVariant, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=variant.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
+        self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=variant.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, head_dim: int, num_kv_heads: int) -> None:
+    """Attention and an MLP: the dense SwiGLU, or the `mlp` given (a sparse mixture of experts: moe.py)."""
+
+    def __init__(self, config, variant: LlamaVariant, head_dim: int, num_kv_heads: int,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = SelfAttention(config, head_dim, num_kv_heads, qkv_bias=variant.qkv_bias,
-                                       o_proj_bias=variant.o_proj_bias, qk_norm=RMSNorm if variant.qk_norm else None)
-        self.mlp = MLP(config, variant)
+                                       o_proj_bias=variant.o_proj_bias, qk_norm=RMSNorm if variant.qk_norm else None,
+                                       qk_norm_whole=variant.qk_norm_whole, clip_qkv=variant.clip_qkv)
+        self.mlp = MLP(config, variant) if mlp is None else mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -181,11 +195,12 @@ def uninitialized_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
 class LlamaModel(nn.Module):
     """The decoder stack; parameter names mirror transformers' (`model.layers.N....`) except the fused projections."""
 
-    def __init__(self, config, variant: LlamaVariant, head_dim: int, num_kv_heads: int) -> None:
+    def __init__(self, config, variant: LlamaVariant, head_dim: int, num_kv_heads: int,
+                 layer_mlp: Callable[[int], nn.Module | None] = lambda layer: None) -> None:
         super().__init__()
         self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, variant, head_dim, num_kv_heads)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, variant, head_dim, num_kv_heads, layer_mlp(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -205,6 +220,18 @@ class CausalLM(nn.Module):
         """Share the embedding matrix with the output projection when the variant says so (call after loading)."""
         if self.variant.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def output_head(self) -> nn.Module:
+        return self.lm_head
+
+    @property
+    def head_tied(self) -> bool:
+        return self.variant.tie_word_embeddings
 
     @property
     def dtype(self) -> torch.dtype:
@@ -243,11 +270,16 @@ class LlamaForCausalLM(CausalLM):
         self.num_heads, self.num_kv_heads, self.head_dim = attention_heads(config)
         self.vocab_size = config.vocab_size
         self.max_model_len = _max_model_len(config)
-        self.model = LlamaModel(config, variant, self.head_dim, self.num_kv_heads)
+        self.model = LlamaModel(config, variant, self.head_dim, self.num_kv_heads, self.layer_mlp)
         self.rotary_emb = RotaryEmbedding(rope_inv_freq(config, self.head_dim), config.max_position_embeddings)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.ops = TorchElementwise  # see use_elementwise
         self.tie_weights()
+
+    def layer_mlp(self, layer: int) -> nn.Module | None:
+        """Layer `layer`'s MLP where it is not the dense SwiGLU (None): a subclass's (moe_models.py), built in
+        __init__ with self.config and self.variant set."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

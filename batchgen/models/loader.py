@@ -27,7 +27,9 @@ from .packed_linear import PackedLinear
 from .upcast_linear import UpcastLinear, upcast_supported
 from .quantization import QUANTIZED_ACTIVATIONS, Int8Linear, is_quantized
 from .named import NAMED_MODELS
-from .registry import ModelError, ModelNotFoundError, UnsupportedModelError, build_model, model_variant
+from .generic_loader import load_generic_model
+from .registry import (GENERIC, SUPPORTED_ARCHITECTURES, ModelError, ModelNotFoundError, UnsupportedModelError,
+                       build_model, model_path, model_variant, native_architecture)
 from .weight_reader import ShardReader, Staging
 
 # Checkpoint entries that are derived state, not weights: older Llama checkpoints saved the RoPE frequencies.
@@ -104,10 +106,12 @@ def find_model(ref: str | os.PathLike, no_download_because: str | None = None) -
 
 
 def check_model_dir(path: Path) -> None:
-    """The files' kinds and sizes, the architecture (a GPT-2 directory is unsupported, whatever else it lacks), then
+    """The files' kinds and sizes, the architecture (a Mamba directory is unsupported, whatever else it lacks), then
     the weights."""
     check_model_files(path)
-    model_variant(SimpleNamespace(**read_json(path / "config.json")))
+    config = SimpleNamespace(**read_json(path / "config.json"))
+    if native_architecture(config) is None:  # the generic path's refusals read only what config.json says
+        model_path(config)
     if not weight_files(path):
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
 
@@ -150,7 +154,7 @@ def check_gguf_header(path: Path) -> None:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
-               quantization: str | None = None, pack: bool = False) -> LlamaForCausalLM:
+               quantization: str | None = None, pack: bool = False, model_impl: str = "auto") -> LlamaForCausalLM:
     """Our model for the HF-style `model_dir`, its weights read from its safetensors shards (weight_files), in eval
     mode; with a quantization ("int8", "int8-weight-only"), its Linear layers int8 (models/quantization.py); with
     `pack` (a CPU that packing_supported or upcast_supported), its other Linear layers oneDNN-packed
@@ -164,7 +168,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     device = torch.device(device)
     with _reading(model_dir, "config.json"):
         config = AutoConfig.from_pretrained(model_dir)
-    variant = model_variant(config)  # before the weights: an unsupported architecture is what to report
+    if model_path(config, model_impl) == GENERIC:  # before the weights: an unsupported architecture is what to report
+        if quantization:
+            raise UnsupportedModelError(f"quantization {quantization!r} is for batchgen's native architectures "
+                                        f"({', '.join(SUPPORTED_ARCHITECTURES)}); {model_dir} runs on the generic "
+                                        f"path")
+        with _reading(model_dir, "weights", (OSError, SafetensorError, ValueError)):
+            return load_generic_model(model_dir, config, dtype, device, pack)
+    variant = model_variant(config)
     files = weight_files(model_dir)
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {model_dir}")

@@ -108,8 +108,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
         raise setting_error(exc, "engine") from None
     device, choice, dtype = target.device, target.dtype, target.dtype.dtype
     model_dir, tokenizer, converted_now = load_model_files(config, model_ref)
-    shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu",
-                                           config.engine.quantization)
+    shape, weights = memory.inspect_model(model_dir, dtype, device.type == "cpu", config.engine.quantization,
+                                           config.engine.model_impl)
     baseline = process_rss()  # what a run holds before its weights: see memory.py
     engine = plan_engine_for(config, shape, weights, target, rows_left)
     pool, context, limit = engine.kv_pool, engine.max_model_len, engine.context_limit

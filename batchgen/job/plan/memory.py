@@ -50,13 +50,13 @@ class WeightBytes:
     linear: int = 0  # of `loaded`, the matmul weights (nn.Linear's): those that packing replaces
 
 
-def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool,
-                  quantization: str | None = None) -> tuple[ModelDescription, WeightBytes]:
+def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool, quantization: str | None = None,
+                  model_impl: str = "auto") -> tuple[ModelDescription, WeightBytes]:
     """The model's description (models/inspector.py: no weights read) and its weights' bytes at the run's dtype."""
     from batchgen.models.inspector import describe_model
 
     try:
-        model = describe_model(model_dir)
+        model = describe_model(model_dir, model_impl=model_impl)
     except (ValueError, OSError) as exc:  # unsupported architecture, RoPE type or activation; unreadable config or
         raise JobConfigError(f"model: {exc}") from None  # header
     weights = weight_bytes(model, dtype, quantization)
@@ -101,6 +101,10 @@ def released_after_packing(weights: WeightBytes, running: int) -> int:
 
 def packed_weight_bytes(shape: ModelDescription, dtype: torch.dtype) -> int:
     """The matmul weights (q/k/v, o, gate/up, down of every layer, and the LM head) at `dtype`."""
+    size = torch.finfo(dtype).bits // 8
+    if shape.tensors:  # the checkpoint's matmul weights as they are (MoE experts, any architecture), a tied head
+        tied = shape.vocab_size * shape.hidden_size if shape.tie_word_embeddings else 0
+        return (sum(tensor.numel for tensor in shape.tensors if tensor.linear) + tied) * size
     h, d = shape.hidden_size, shape.head_dim
     per_layer = h * (shape.num_heads + 2 * shape.num_kv_heads) * d + shape.num_heads * d * h \
         + 3 * h * shape.intermediate_size

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from batchgen.models.hub import parse_hub_id
 from batchgen.models.named import NAMED_MODELS
+from batchgen.models.registry import GENERIC, SUPPORTED_ARCHITECTURES
 
 from .estimate import MEMORY_WARN_SHARE, Plan, percentile, seqs_at_once
 from ..input.files import read_columns
@@ -29,7 +30,17 @@ def _job(plan: Plan) -> list[str]:
     return [f"valid: model {model}{where}, {plan.dtype.name} on {plan.device.type} ({plan.dtype.reason}); sort {c.input.sort} "
             f"(window {c.input.sort_window:,}), max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
             f"{e.max_num_batched_tokens:,}, block_size {e.block_size}, prefix cache "
-            f"{'on' if e.enable_prefix_caching else 'off'}, batch-invariant {'on' if e.batch_invariant else 'off'}"]
+            f"{'on' if e.enable_prefix_caching else 'off'}, batch-invariant {'on' if e.batch_invariant else 'off'}",
+            model_path_line(plan.shape)]
+
+
+def model_path_line(shape) -> str:
+    """Which implementation runs the model, and what that costs (docs/models.md)."""
+    if shape.path == GENERIC:
+        why = "model_impl: transformers" if shape.architecture in SUPPORTED_ARCHITECTURES else "no native one"
+        return (f"path: generic ({why}): transformers' {shape.architecture} code on batchgen's engine and paged "
+                f"attention; slower than a native path (docs/models.md#the-generic-path)")
+    return f"path: native: batchgen's own {shape.architecture} (fused kernels, packed linear layers)"
 
 
 def _input(plan: Plan) -> list[str]:
