@@ -25,9 +25,9 @@ from batchgen.models.inspector import checkpoint_sources, describe_model
 from batchgen.models.loader import load_model
 from batchgen.models.moe import SparseMoeBlock
 import test_batch_invariance as invariance
-from cli_runs import run_cli
 from conftest import save_tiny_model
 from test_models import PagedSequences, assert_close, random_tokens, reference_logits
+from test_memory_bound import bounded_run
 from test_plan import write_input
 
 MAX_TOKENS = 10
@@ -215,17 +215,7 @@ def test_peak_memory_of_a_moe_run_is_within_the_printed_bound(tmp_path, default_
     model_dir = tmp_path / "model"
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
     copy_tokenizer(default_model_dir, model_dir)
-    job = {"model": str(model_dir), "dtype": "float32", "device": "cpu",
-           "input": {"path": str(write_input(tmp_path / "in.parquet", TEXTS)), "id_column": "id",
-                     "chat_template": False},
-           "sampling": {"max_tokens": 4}, "engine": {"kv_cache_memory": "64MiB"},
-           "output": {"path": str(tmp_path / "out")}}
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    proc = run_cli(tmp_path / "job.yaml")
-    assert proc.returncode == 0, proc.stderr
-    summary = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
-    peak, bound = summary["peak_memory_bytes"], summary["memory_bound_bytes"]
-    weights = summary["engine_stats"]["weights_bytes"]
+    peak, bound, weights = bounded_run(model_dir, tmp_path, TEXTS, 4, {})
     assert weights > 580 * 2**20  # every expert's weights are held
     print(f"peak {peak / 2**20:,.0f} MiB, bound {bound / 2**20:,.0f} MiB, weights {weights / 2**20:,.0f} MiB")
     assert peak <= bound, f"peak {peak / 2**20:,.0f} MiB over the bound {bound / 2**20:,.0f} MiB"
