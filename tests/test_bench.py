@@ -98,9 +98,12 @@ def test_percentiles_interpolate():
 
 # -- end to end --------------------------------------------------------------------------------------------------
 
-def test_bench_end_to_end_against_hf_static(tmp_path):
+def test_bench_end_to_end_against_hf_static(tmp_path, default_model_dir):
+    """On the default model's fp32 conversion, which both systems load (batchgen's own run of `default` holds int8
+    weights, which transformers' greedy texts would not match)."""
     result, out, archive = bench(tmp_path, "--workload", "labeling", "--rows", "3", "--max-tokens-scale", "0.5",
-                                 "--systems", "batchgen,hf-static", "--hf-batch-sizes", "2,3")
+                                 "--systems", "batchgen,hf-static", "--hf-batch-sizes", "2,3",
+                                 "--model", str(default_model_dir))
     assert result.exit_code == 0, result.output
     records = list(out.glob("bench-labeling-*.json"))
     charts = list(out.glob("bench-labeling-*.png"))

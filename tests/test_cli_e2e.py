@@ -206,6 +206,20 @@ def test_changed_job_is_refused(finished):
     assert "--overwrite" in result.stderr
 
 
+def test_a_ggufs_conversion_format_is_part_of_the_job(finished, monkeypatch):
+    """The default model's rows come from its GGUF's conversion (int8 since format 2, fp32 before): an output written
+    from another conversion is another job's, not one to resume."""
+    from batchgen.models import gguf_cache
+
+    root, job, _, _ = finished
+    summary = json.loads((root / "out" / "_SUCCESS").read_text())
+    assert summary["fingerprint"]["gguf_conversion"] == gguf_cache.CONVERSION_FORMAT
+    monkeypatch.setattr(gguf_cache, "CONVERSION_FORMAT", gguf_cache.CONVERSION_FORMAT + 1)
+    result = CliRunner().invoke(main, ["run", str(job)])
+    assert result.exit_code == 2
+    assert "holds rows of a different job (gguf_conversion changed)" in result.stderr
+
+
 def test_overwrite_with_another_sort_gives_the_same_rows(finished):
     root, job, table, _ = finished
     first = output_of(root / "out")

@@ -1,10 +1,17 @@
-"""The engine on the real default model (SmolLM2-135M-Instruct) against transformers' greedy generation."""
+"""The engine on the real default model (SmolLM2-135M-Instruct, held in int8 from its GGUF) against transformers'
+greedy generation of the same GGUF with the same int8 weights (test_gguf_quantized.py's int8 reference and rule:
+transformers' dequantized weights requantized as the conversion does; the engine in fp32 with weight-only int8, so
+that only the order of fp32 sums differs)."""
+from unittest import mock
+
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from batchgen.bench.greedy_check import assert_greedy_matches, hf_greedy
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
+from batchgen.models import loader
+from batchgen.models.named import NAMED_MODELS
+from batchgen.models.quantization import Int8Linear
+from test_gguf_quantized import int8_reference
 
 MAX_TOKENS = 40
 CONVERSATIONS = [
@@ -25,10 +32,12 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def setup(default_model_dir):
-    engine = Engine(EngineArgs(model=str(default_model_dir), dtype="float32", kv_cache_memory="256MiB",
-                               max_num_seqs=32))
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+def setup(default_int8_dir):
+    with mock.patch.dict(loader.INT8_OPTIONS, {"activations": "weight_only"}):
+        engine = Engine(EngineArgs(model=str(default_int8_dir), dtype="float32", kv_cache_memory="256MiB",
+                                   max_num_seqs=32))
+    assert isinstance(engine.model.model.layers[0].self_attn.qkv_proj, Int8Linear)
+    hf = int8_reference(NAMED_MODELS["default"].gguf("default"))
     prompts = [engine.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
                for c in CONVERSATIONS]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]

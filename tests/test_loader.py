@@ -14,17 +14,32 @@ from transformers import AutoModelForCausalLM
 from batchgen.models import gguf_cache
 from batchgen.models.gguf_cache import cache_root
 from batchgen.models.loader import (ModelError, ModelNotFoundError, ModelWeightsError, eos_token_ids, load_model,
-                                   load_tokenizer, resolve_model)
+                                   load_tokenizer, reference_model_dir, resolve_model)
 
 
-def test_default_resolves_to_a_cached_conversion(default_model_dir):
-    assert default_model_dir.parent == cache_root() / "gguf"
-    assert default_model_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in default_model_dir.iterdir()}
-    assert "quantization_config" not in json.loads((default_model_dir / "config.json").read_text())
+def test_default_resolves_to_a_cached_conversion(default_int8_dir):
+    assert default_int8_dir.parent == cache_root() / "gguf"
+    assert default_int8_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in default_int8_dir.iterdir()}
+    assert "quantization_config" not in json.loads((default_int8_dir / "config.json").read_text())
     start = time.monotonic()
-    assert resolve_model("default") == default_model_dir
+    assert resolve_model("default") == default_int8_dir
     assert time.monotonic() - start < 1.0  # reused, not converted again
+
+
+def test_the_reference_directory_of_a_gguf_is_its_fp32_conversion(default_model_dir, default_int8_dir):
+    """What transformers and vLLM load (the bench's other systems, the tests' references): the same GGUF converted to
+    plain fp32 beside the int8 entry batchgen runs, both in the cache."""
+    from safetensors import safe_open
+
+    assert default_model_dir != default_int8_dir and default_model_dir.parent == default_int8_dir.parent
+    dtypes = {}
+    for directory in (default_model_dir, default_int8_dir):
+        with safe_open(str(directory / "model.safetensors"), "pt") as f:
+            dtypes[directory] = {f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes[default_model_dir] == {"F32"} and "I8" in dtypes[default_int8_dir]
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    assert hf.config.num_hidden_layers == 30
 
 
 def test_default_model_loads_with_its_tokenizer_and_eos(default_model_dir):
@@ -153,8 +168,9 @@ class FakeConverter:
         self.calls = 0
         self.on_convert = on_convert
 
-    def __call__(self, gguf, out_dir) -> None:
+    def __call__(self, gguf, out_dir, int8) -> None:
         self.calls += 1
+        self.int8 = int8
         (out_dir / "config.json").write_text(json.dumps({"converted_from": str(gguf)}))
         if self.on_convert:
             self.on_convert(out_dir)
@@ -169,8 +185,11 @@ def test_gguf_conversion_is_cached_under_env_dir_and_keyed_on_the_file(monkeypat
     first = resolve_model(str(gguf))
     assert first.parent == tmp_path / "cache" / "gguf" and first.name.startswith("my-model-")
     assert resolve_model(str(gguf)) == first and converter.calls == 1
+    assert converter.int8  # batchgen's own entry
+    reference = reference_model_dir(str(gguf))  # for transformers and vLLM: an fp32 entry of its own
+    assert reference != first and reference.parent == first.parent and converter.calls == 2 and not converter.int8
     gguf.write_bytes(b"version 2")  # a changed file is converted afresh
-    assert resolve_model(str(gguf)) != first and converter.calls == 2
+    assert resolve_model(str(gguf)) != first and converter.calls == 3
     assert sorted(p.name for p in first.parent.iterdir() if ".tmp-" in p.name) == []
 
 

@@ -46,11 +46,11 @@ def mid_llama(tmp_path_factory, default_model_dir) -> Path:
 
 
 def bounded_run(model_dir: Path, tmp_path: Path, texts: list[str], max_tokens: int,
-                engine: dict) -> tuple[int, int, int]:
-    """`batchgen run` of `texts` (fp32, CPU) in its own process: (_SUCCESS's peak memory, its bound, the weights'
-    bytes the engine holds)."""
+                engine: dict, dtype: str = "float32") -> tuple[int, int, int]:
+    """`batchgen run` of `texts` (CPU) in its own process: (_SUCCESS's peak memory, its bound, the weights' bytes
+    the engine holds)."""
     inputs = write_input(tmp_path / "in.parquet", texts)
-    job = {"model": str(model_dir), "dtype": "float32", "device": "cpu",
+    job = {"model": str(model_dir), "dtype": dtype, "device": "cpu",
            "input": {"path": str(inputs), "id_column": "id", "chat_template": False},
            "sampling": {"max_tokens": max_tokens}, "engine": {"kv_cache_memory": "64MiB", **engine},
            "output": {"path": str(tmp_path / "out")}}
@@ -59,6 +59,31 @@ def bounded_run(model_dir: Path, tmp_path: Path, texts: list[str], max_tokens: i
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
     return summary["peak_memory_bytes"], summary["memory_bound_bytes"], summary["engine_stats"]["weights_bytes"]
+
+
+@pytest.fixture(scope="module")
+def mid_gguf(tmp_path_factory) -> Path:
+    """A Q4_K GGUF of ~330 M parameters (hidden 1,024, 16 layers, the default tokenizer's 49,152 tokens, untied
+    head), held in int8 once converted (models/gguf_int8.py): its int8 weights, not the file's fp32 size, are
+    what the run holds."""
+    from test_gguf_quantized import make_random_gguf
+
+    return make_random_gguf.write_random_gguf(
+        tmp_path_factory.mktemp("mid_gguf") / "mid.gguf", "tiny", "Q4_K",
+        overrides={"hidden": 1024, "intermediate": 4096, "layers": 16, "heads": 16, "kv_heads": 4, "vocab": 0})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_ggufs_peak_memory_is_within_the_printed_bound(mid_gguf, tmp_path, monkeypatch, dtype):
+    """Converted in this run (into a cache of its own) and loaded as int8: W8A8 in fp32, weight-only in bf16."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("BATCHGEN_NO_CPU_KERNELS", "1")  # an empty cache would build the C++ kernels first
+    peak, bound, weights = bounded_run(mid_gguf, tmp_path, ["Tell me about the sea.", "Count to three."], 2, {},
+                                       dtype)
+    assert weights > 300 * MiB
+    assert peak <= bound, f"peak {peak / MiB:,.0f} MiB over the bound {bound / MiB:,.0f} MiB " \
+                          f"(weights {weights / MiB:,.0f} MiB)"
 
 
 @pytest.mark.slow

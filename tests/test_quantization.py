@@ -8,7 +8,8 @@ from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
 from batchgen.engine.errors import SettingError
 from batchgen.models.loader import load_model
 from batchgen.models.accounting import weight_bytes
-from batchgen.models.quantization import Int8Linear, is_quantized, quantize_model, quantize_weight
+from batchgen.models.quantization import (Int8Linear, is_quantized, quantize_model, quantize_weight,
+                                          stored_int8_quantization)
 
 
 def test_quantize_weight_is_per_channel_symmetric_and_within_half_a_step():
@@ -34,6 +35,24 @@ def test_int8_linear_matches_the_dequantized_reference(activations, dtype):
     assert (out.float() - reference).abs().max() <= tolerance * reference.abs().max()
     # and the dequantized weight is the layer's own, close to the original
     assert (layer.dequantized() - linear.weight.float()).abs().max() <= layer.scale.float().max() / 2 + 1e-3
+
+
+def test_stored_int8_weights_are_used_as_stored_and_their_activations_follow_the_dtype():
+    """A converted GGUF's int8 (models/gguf_int8.py): the layer multiplies by the stored q * scale, its scales in
+    the activations' dtype for weight-only; W8A8 where the activations are fp32, weight-only where 16-bit, unless
+    the job's quantization says which."""
+    assert stored_int8_quantization(None, torch.float32) == "int8"
+    assert stored_int8_quantization(None, torch.bfloat16) == stored_int8_quantization(None, torch.float16) == \
+        "int8-weight-only"
+    assert stored_int8_quantization("int8", torch.bfloat16) == "int8"
+    torch.manual_seed(0)
+    q, scale = quantize_weight(torch.randn(32, 64), torch.bfloat16)  # the conversion's bf16-exact scales
+    layer = Int8Linear.from_int8(q, scale.float(), None, "weight_only", torch.bfloat16)
+    assert layer.qweight is q and layer.scale.dtype == torch.bfloat16 and torch.equal(layer.scale, scale)
+    assert Int8Linear.from_int8(q, scale.float(), None, "dynamic_int8", torch.bfloat16).scale.dtype == torch.float32
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    reference = x.float() @ (q.float() * scale.float()[:, None]).T
+    assert (layer(x).float() - reference).abs().max() <= 0.02 * reference.abs().max()
 
 
 def test_int8_linear_rows_are_independent_of_the_batch():

@@ -13,10 +13,10 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from batchgen.models.loader import eos_token_ids, load_tokenizer, resolve_model
+    from batchgen.models.loader import eos_token_ids, load_tokenizer, reference_model_dir
 
     started = time.monotonic()
-    model_dir = resolve_model(options.engine_args.model)
+    model_dir = reference_model_dir(options.engine_args.model)  # a GGUF: its fp32 conversion
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, options.hf_dtype)).eval()
     if not hasattr(model, "init_continuous_batching"):
         import transformers

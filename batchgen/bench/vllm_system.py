@@ -73,7 +73,7 @@ def binding_log(lines: list[str]) -> list[str]:
 
 def run(rows: list, options: BenchOptions) -> SystemRun:
     from batchgen.engine.engine_args import parse_bytes
-    from batchgen.models.loader import resolve_model
+    from batchgen.models.loader import reference_model_dir
 
     if not options.vllm_python:
         return SystemRun.unavailable("vllm", "no --vllm-python given (the Python of a virtualenv with vLLM)")
@@ -83,7 +83,7 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
     if quantization not in VLLM_QUANTIZATIONS:
         return SystemRun.unavailable("vllm", f"--quantization {quantization}: "
                                              f"{VLLM_QUANTIZATIONS_MISSING[quantization]}")
-    model_dir = resolve_model(options.engine_args.model)
+    model_dir = reference_model_dir(options.engine_args.model)  # a GGUF: its fp32 conversion
     if quantization == "int8":
         from .vllm_checkpoint import w8a8_checkpoint
         model_dir = w8a8_checkpoint(model_dir, options.dtype)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from collections.abc import Container
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -184,6 +185,8 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles,
     resuming on a machine where it resolves to another would mix rows of both."""
     return {
         "model": model,
+        # a GGUF's weights are what its conversion makes of them (fp32 before, int8 since format 2)
+        **({"gguf_conversion": conversion} if (conversion := gguf_conversion(model)) else {}),
         "dtype": (target or engine_target(config)).dtype.name,
         "input": {key: getattr(config.input, key) for key in PROMPT_KEYS},
         "files": input_files(inputs),
@@ -196,6 +199,15 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles,
         # batch-invariant arithmetic gives some rows other bits than the default's; absent when off, as above
         **({"batch_invariant": True} if config.engine.batch_invariant else {}),
     }
+
+
+def gguf_conversion(model: str) -> int | None:
+    """The conversion format of the GGUF that the model identity `model` (check_model's) names, None for a model
+    directory."""
+    from batchgen.models.gguf_cache import CONVERSION_FORMAT
+    from batchgen.models.named import NAMED_MODELS
+
+    return CONVERSION_FORMAT if model in NAMED_MODELS or Path(model).is_file() else None
 
 
 def input_files(inputs: InputFiles) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """batchgen's cache of GGUF files converted to safetensors directories (BATCHGEN_CACHE_DIR/gguf, or
-~/.cache/batchgen/gguf), and the checked reads of a model directory's files that the loader shares with it.
+~/.cache/batchgen/gguf; the conversion, one tensor at a time into int8: gguf_convert.py), and the checked reads of
+a model directory's files that the loader shares with it.
 
 A converted GGUF carries a manifest of its files' sizes, written last; an entry that fails the cheap check (sizes,
 safetensors headers) is converted again."""
@@ -11,10 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-
-import torch
 
 from batchgen_kernels.host import cache_root  # the one definition, shared with the kernels' build
 from batchgen.user_files import (MODEL_CONFIG_LIMIT, TOKENIZER_FILE_LIMIT, UserFileError, check_regular_file,
@@ -26,11 +24,11 @@ from .safetensors_header import SafetensorsHeaderError, read_safetensors_header
 logger = logging.getLogger("batchgen")
 
 # Part of the conversion cache key: bump it when _convert_gguf's output changes, so old conversions are not reused.
-_CONVERSION_FORMAT = 1
+CONVERSION_FORMAT = 2  # 2: int8 weights + scales (gguf_int8.py); 1: fp32
 # A converted model's list of its files and their sizes, written last (json: {"files": {name: bytes}}).
 CACHE_MANIFEST = "batchgen-manifest.json"
 
-__all__ = ["CACHE_MANIFEST", "CacheDirError", "cache_root", "check_cache_can_take", "check_file", "converted_gguf",
+__all__ = ["CACHE_MANIFEST", "CONVERSION_FORMAT", "CacheDirError", "cache_root", "check_cache_can_take", "check_file", "converted_gguf",
            "is_cache_entry", "read_json", "writable_cache_dir"]
 
 
@@ -74,11 +72,12 @@ def is_cache_entry(model_dir: Path) -> bool:
         return False
 
 
-def converted_gguf(gguf: Path) -> Path:
+def converted_gguf(gguf: Path, int8: bool = True) -> Path:
     """The cached safetensors conversion of `gguf`, made on first use, and made again where the cached one fails
     its check. The write goes to a temp dir renamed into place, so concurrent processes never see (or leave) a
-    half-written directory."""
-    target = _cache_entry(gguf)
+    half-written directory. `int8=False`: a plain fp32 checkpoint instead, which transformers and vLLM load (the
+    bench's other systems, and the tests' references, run the same GGUF from it)."""
+    target = _cache_entry(gguf, int8)
     problem = _entry_problem(target)
     if problem is None:
         logger.debug("using converted model %s (cache; safe to delete)", target)
@@ -88,11 +87,11 @@ def converted_gguf(gguf: Path) -> Path:
         logger.warning("the converted model %s in batchgen's cache is damaged (%s); converting %s again",
                        target, problem, gguf)
         _discard(target, root)
-    logger.info("converting %s to safetensors once, into %s; later runs reuse it. Deleting %s is safe: it is "
-                "rebuilt when needed.", gguf, target, root)
+    logger.info("converting %s once, one tensor at a time (int8 weights for batchgen's own architectures), into "
+                "%s; later runs reuse it. Deleting %s is safe: it is rebuilt when needed.", gguf, target, root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
     try:
-        _convert_gguf(gguf.resolve(), tmp)
+        _convert_gguf(gguf.resolve(), tmp, int8)
         _write_manifest(tmp)
         try:
             os.replace(tmp, target)
@@ -107,13 +106,14 @@ def converted_gguf(gguf: Path) -> Path:
     return target
 
 
-def _cache_entry(gguf: Path) -> Path:
+def _cache_entry(gguf: Path, int8: bool = True) -> Path:
     """Where the conversion of `gguf` is cached. The key covers the file's path, size and mtime, so a changed file
     gets a fresh conversion."""
     gguf = gguf.resolve()
     stat = gguf.stat()
-    key = hashlib.sha256(f"{_CONVERSION_FORMAT}\0{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    form = CONVERSION_FORMAT if int8 else "fp32"
+    key = hashlib.sha256(f"{form}\0{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}{'' if int8 else '-fp32'}"
 
 
 def _write_manifest(entry: Path) -> None:
@@ -181,77 +181,10 @@ def _discard(entry: Path, root: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-@contextmanager
-def _no_progress_bars():
-    """Without transformers' progress bars while converting: they would reach stderr under `--quiet` and fill logs
-    (the INFO line before the conversion says what is happening). Its GGUF reader draws its per-tensor bar with tqdm
-    directly, past transformers' own switch, so that one is swapped for a silent tqdm meanwhile."""
-    from functools import partial
+def _convert_gguf(gguf: Path, out_dir: Path, int8: bool) -> None:
+    from .gguf_convert import convert_gguf  # deferred: numpy, gguf and the model classes, for a conversion only
 
-    import transformers.modeling_gguf_pytorch_utils as gguf_reader
-    from tqdm.auto import tqdm
-    from transformers.utils import logging as hf_logging
-
-    bars_were_on, reader_bar = hf_logging.is_progress_bar_enabled(), getattr(gguf_reader, "tqdm", None)
-    hf_logging.disable_progress_bar()
-    if reader_bar is not None:
-        gguf_reader.tqdm = partial(tqdm, disable=True)
-    try:
-        yield
-    finally:
-        if reader_bar is not None:
-            gguf_reader.tqdm = reader_bar
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
-
-
-def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize `gguf` through transformers and write config, generation config, fp32 safetensors and tokenizer.
-
-    The weights are written with safetensors directly: transformers >= 5 keeps a GGUF quantizer attached to the
-    model and refuses `save_pretrained`, even once every weight is dequantized.
-    """
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs = {}
-    try:  # transformers >= 5 keeps GGUF blocks packed (when it has a kernel for them) unless told to dequantize.
-        from transformers import GgufConfig
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:
-        pass
-    try:
-        with _no_progress_bars():
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                         **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except MemoryError:
-        raise
-    except Exception as exc:  # transformers and gguf raise many types for a file they cannot read
-        text = str(exc).strip().splitlines()
-        raise ModelError(f"{gguf} is not a GGUF file transformers can convert ({type(exc).__name__}"
-                         f"{': ' + text[0] if text else ''})") from exc
-
-    state = model.state_dict()
-    embed = state.get("model.embed_tokens.weight")
-    lm_head = state.get("lm_head.weight")
-    if lm_head is not None and embed is not None and lm_head.data_ptr() == embed.data_ptr():
-        del state["lm_head.weight"]  # tied: safetensors refuses shared tensors; the loader re-ties
-    packed = [name for name, tensor in state.items() if not tensor.is_floating_point()]
-    if packed:
-        raise ModelError(f"converting {gguf} left packed (not dequantized) tensors: {', '.join(packed[:5])}")
-    save_file({name: t.detach().contiguous() for name, t in state.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-
-    model.config.save_pretrained(out_dir)
-    config_path = out_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    config.pop("quantization_config", None)  # the saved weights are plain fp32
-    config["architectures"] = [type(model).__name__]  # what model.save_pretrained would record
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    convert_gguf(gguf, out_dir, int8)
 
 
 def check_file(path: Path, limit: int | None = None) -> int:

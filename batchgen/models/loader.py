@@ -19,13 +19,14 @@ from torch import nn
 
 from .checkpoint_files import check_model_files, weight_files
 from .gguf_cache import check_cache_can_take, check_file, converted_gguf, is_cache_entry, read_json
+from .gguf_int8 import holds_int8, load_int8_entry_parameter, without_scales
 from .gguf_metadata import gguf_has_key
 from .hub import hub_snapshot, parse_hub_id
 from .inspector import checkpoint_sources, checkpoint_variant
 from .llama import LlamaForCausalLM
 from .packed_linear import PackedLinear
 from .upcast_linear import UpcastLinear, upcast_supported
-from .quantization import QUANTIZED_ACTIVATIONS, Int8Linear, is_quantized
+from .quantization import QUANTIZED_ACTIVATIONS, Int8Linear, is_quantized, stored_int8_quantization
 from .named import NAMED_MODELS
 from .generic_loader import load_generic_model
 from .registry import (GENERIC, SUPPORTED_ARCHITECTURES, ModelError, ModelNotFoundError, UnsupportedModelError,
@@ -57,6 +58,13 @@ def resolve_model(ref: str | os.PathLike) -> Path:
         check_model_files(path)
         return path
     return converted_gguf(path)
+
+
+def reference_model_dir(ref: str | os.PathLike) -> Path:
+    """resolve_model's directory for another system than batchgen's engine (transformers, vLLM: the bench's
+    systems, the tests' references): a GGUF's plain fp32 conversion, not the int8 one batchgen holds."""
+    path = find_model(ref)
+    return resolve_model(ref) if path.is_dir() else converted_gguf(path, int8=False)
 
 
 def locate_model(ref: str | os.PathLike, no_download_because: str | None = None) -> Path:
@@ -168,6 +176,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     device = torch.device(device)
     with _reading(model_dir, "config.json"):
         config = AutoConfig.from_pretrained(model_dir)
+    stored_int8 = holds_int8(config)  # a converted GGUF: int8 as stored (gguf_int8.py), whatever the job says
+    if stored_int8:
+        quantization = stored_int8_quantization(quantization, dtype)
     if model_path(config, model_impl) == GENERIC:  # before the weights: an unsupported architecture is what to report
         if quantization:
             raise UnsupportedModelError(f"quantization {quantization!r} is for batchgen's native architectures "
@@ -192,7 +203,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
         variant = checkpoint_variant(variant, shard_of)  # no lm_head.weight: tied (the inspector's rule)
         model = _build_on_meta(config, variant, model_dir)
         sources = checkpoint_sources(model)
-        _check_names(sources, shard_of, variant.tie_word_embeddings, model_dir)
+        _check_names(sources, without_scales(shard_of) if stored_int8 else shard_of, variant.tie_word_embeddings,
+                     model_dir)
         pending = None  # the module whose parameters are being read; finished once the next one starts
         casts, plains = Staging(), Staging()  # a plain weight that _finish replaces is read into `plains`
         for param_name, names in sources.items():
@@ -200,6 +212,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
             if module_name != pending:
                 _finish(model, pending, quantization, pack)
                 pending = module_name
+            if stored_int8:  # an int8 matrix becomes its Int8Linear as stored (None); the rest is read at dtype
+                tensor = load_int8_entry_parameter(model, param_name, names, shard_of, dtype,
+                                                   INT8_OPTIONS["activations"] or QUANTIZED_ACTIVATIONS[quantization])
+                if tensor is not None:
+                    _set_parameter(model, param_name, tensor.to(device))
+                continue
             staged = plains if leaf == "weight" and _replaced(model, module_name, quantization, dtype, pack) else None
             _set_parameter(model, param_name, _read(shard_of, param_name, names, model, dtype, casts, staged).to(device))
         _finish(model, pending, quantization, pack)

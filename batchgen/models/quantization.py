@@ -18,6 +18,11 @@ Each weight matrix [out, in] becomes int8 with one fp32 scale per output channel
   memory, not time).
 
 The embedding lookup keeps its matrix in the model's dtype; a tied LM head gets its own int8 copy of it.
+
+A GGUF file is converted into int8 weights in this layout (gguf_convert.py: each matrix dequantized alone and
+requantized at once, its scales rounded to bf16 so that q * scale is the same weight whether the scales are held
+in fp32 or bf16) and loaded without a float copy (gguf_int8.py), whatever the job's quantization:
+stored_int8_quantization picks its activations.
 """
 from __future__ import annotations
 
@@ -30,6 +35,12 @@ ACTIVATIONS = ("dynamic_int8", "weight_only")
 # _weight_int8pack_mm has no vectorised fp32 kernel (6-35x slower than fp32), so the engine refuses it with fp32.
 QUANTIZED_ACTIVATIONS = {"int8": "dynamic_int8", "int8-weight-only": "weight_only"}
 WEIGHT_ONLY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def stored_int8_quantization(quantization: str | None, dtype: torch.dtype) -> str:
+    """The quantization a model stored in int8 (a converted GGUF) runs with: the job's when it sets one, else
+    weight-only with bf16/fp16 activations and W8A8 with fp32 ones (weight-only has no fast fp32 kernel)."""
+    return quantization or ("int8-weight-only" if dtype in WEIGHT_ONLY_DTYPES else "int8")
 # The Linear layers quantize_model replaces: these of every decoder layer, and the LM head.
 DECODER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 SCALE_BYTES = 4  # one fp32 scale per output channel
@@ -66,20 +77,29 @@ def quantize_weight(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float
 class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias, for x [..., in] of any float dtype; y has x's dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activations: str = "dynamic_int8") -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 activations: str = "dynamic_int8") -> None:
         super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         self.activations = activations
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        q, scale = quantize_weight(weight, weight.dtype if activations == "weight_only" else torch.float32)
-        self.register_buffer("qweight", q)
+        self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, activations: str = "dynamic_int8") -> Int8Linear:
-        return cls(linear.weight, linear.bias, activations)
+        weight = linear.weight
+        q, scale = quantize_weight(weight, weight.dtype if activations == "weight_only" else torch.float32)
+        return cls(q, scale, linear.bias, activations)
+
+    @classmethod
+    def from_int8(cls, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, activations: str,
+                  dtype: torch.dtype) -> Int8Linear:
+        """Stored int8 weights [out, in] and fp32 scales [out]: the scales kept in the activations' `dtype` for
+        weight_only (its kernel's), in fp32 for dynamic_int8."""
+        return cls(qweight, scale.to(dtype) if activations == "weight_only" else scale.float(), bias, activations)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight this layer multiplies by, [out, in]."""
@@ -106,9 +126,13 @@ def _dynamic_int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Te
     """Per-token symmetric int8 activations x int8 weights -> int32, rescaled in fp32; x's dtype out."""
     x32 = x.float()
     x_scale = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12) / 127.0
-    xq = torch.round(x32 / x_scale).to(torch.int8)  # |x / x_scale| <= 127: no clamp needed
+    xq = (x32 / x_scale).round_().to(torch.int8)  # |x / x_scale| <= 127: no clamp needed
     acc = torch._int_mm(xq, qweight.t())
-    return (acc.float() * x_scale * scale).to(x.dtype)
+    # Rescaled in place, one [tokens, out] fp32 fewer at once than a new tensor for each product: a 16-row fp32 job
+    # on an 8B model (dev/make_random_gguf.py) peaked at 10,307 MiB instead of 10,499, under its bound (10,460).
+    out = acc.float()
+    del acc
+    return out.mul_(x_scale).mul_(scale).to(x.dtype)
 
 
 def quantize_model(model: nn.Module, lm_head: bool = True, activations: str = "dynamic_int8") -> nn.Module:

@@ -5,7 +5,8 @@ sampled prompts, without loading a weight.
 On the CPU the estimate is of peak RSS, the figure a run writes as `peak_memory_bytes`:
   baseline     this process's RSS once python, torch, transformers, pyarrow, the tokenizer and the model's
                (meta-device) modules are loaded: a run holds the same before its weights;
-  weights      every parameter at the run's dtype (int8 for the quantized ones with quantization: int8), plus
+  weights      every parameter at the run's dtype (int8 for the quantized ones with quantization: int8, and for a
+               converted GGUF's, stored in int8: models/gguf_int8.py), plus
                no checkpoint pages (mapped: 0): the loader reads into memory it owns (models/weight_reader.py);
   packed       where the CPU's linear layers are packed for oneDNN (models/packed_linear.py): every matmul weight
                (the LM head too, a tied one as its own copy), each packed as soon as it is read;
@@ -60,7 +61,8 @@ def inspect_model(model_dir: Path, dtype: torch.dtype, on_cpu: bool, quantizatio
     except (ValueError, OSError) as exc:  # unsupported architecture, RoPE type or activation; unreadable config or
         raise JobConfigError(f"model: {exc}") from None  # header
     weights = weight_bytes(model, dtype, quantization)
-    if quantization is not None and model.tie_word_embeddings:  # the embedding stays; the LM head: an int8 copy
+    if (quantization is not None or stored_int8(model)) and model.tie_word_embeddings:
+        # the embedding stays; the LM head: an int8 copy
         weights = replace(weights, loaded=weights.loaded + int8_bytes(model.vocab_size, model.hidden_size))
     if not weights.files:
         raise JobConfigError(f"model: no *.safetensors weights in {model_dir}")
@@ -73,11 +75,18 @@ def int8_bytes(rows: int, columns: int) -> int:
     return rows * columns + rows * SCALE_BYTES
 
 
+def stored_int8(model: ModelDescription) -> bool:
+    """Whether the checkpoint holds int8 matrices (a converted GGUF), which the loader keeps in int8 whatever the
+    job's quantization (models/gguf_int8.py)."""
+    return any(tensor.dtype == "I8" for tensor in model.tensors)
+
+
 def weight_bytes(model: ModelDescription, dtype: torch.dtype, quantization: str | None = None) -> WeightBytes:
     """The bytes of the checkpoint tensors the loader reads (the description's), held at `dtype`.
 
     The loader reads every tensor into memory it owns and maps nothing (models/weight_reader.py), so no checkpoint
-    page stays resident: `mapped` is 0. A quantized matrix [out, in] is held as int8 with a scale per output row."""
+    page stays resident: `mapped` is 0. A quantized matrix [out, in] is held as int8 with a scale per output row,
+    as is one the checkpoint stores in int8."""
     from batchgen.models.quantization import is_quantized
 
     run_bytes = torch.finfo(dtype).bits // 8
@@ -85,7 +94,7 @@ def weight_bytes(model: ModelDescription, dtype: torch.dtype, quantization: str 
     for tensor in model.tensors:
         numel = tensor.numel
         parameters += numel
-        quantized = quantization is not None and is_quantized(tensor.parameter)
+        quantized = tensor.dtype == "I8" or (quantization is not None and is_quantized(tensor.parameter))
         size = int8_bytes(tensor.shape[0], numel // tensor.shape[0]) if quantized else numel * run_bytes
         loaded += size
         linear += size if tensor.linear else 0
@@ -100,7 +109,10 @@ def released_after_packing(weights: WeightBytes, running: int) -> int:
 
 
 def packed_weight_bytes(shape: ModelDescription, dtype: torch.dtype) -> int:
-    """The matmul weights (q/k/v, o, gate/up, down of every layer, and the LM head) at `dtype`."""
+    """The matmul weights (q/k/v, o, gate/up, down of every layer, and the LM head) at `dtype`; none for a
+    checkpoint stored in int8, whose matmul weights all stay int8."""
+    if stored_int8(shape):
+        return 0
     size = torch.finfo(dtype).bits // 8
     if shape.tensors:  # the checkpoint's matmul weights as they are (MoE experts, any architecture), a tied head
         tied = shape.vocab_size * shape.hidden_size if shape.tie_word_embeddings else 0
