@@ -4,7 +4,8 @@ says why and how): `python tests/aot_runner.py --target sm_90 [--specialisations
 It writes the report of every case of the engine's matrix and of the planted bugs, the kernels the Triton modules
 define, and with --specialisations the variants a realistic run compiles: after the engine's warm-up, then after
 a sequence of eager and CUDA-graph steps on a Llama-3.2-1B-shaped model whose first layer has a sliding window, as
-Gemma 3's local layers do (on the meta device, 132 SMs as an H200).
+Gemma 3's local layers do (on the meta device, 132 SMs as an H200); and the MoE experts' grouped matmul
+(triton_moe.py) through grouped_experts at Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes, in bf16 and fp16.
 """
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ from triton.runtime.jit import JITFunction
 from batchgen.engine.cuda_graphs import DecodeGraphRunner
 from batchgen.engine.kernel_warmup import warm_up_attention
 from batchgen.models.registry import build_model
-from batchgen_kernels import AttentionMetadata, triton_aot, triton_decode, triton_prefill, triton_store
+from batchgen_kernels import AttentionMetadata, triton_aot, triton_decode, triton_moe, triton_prefill, triton_store
+from batchgen_kernels.elementwise import TorchElementwise
+from batchgen_kernels.triton_common import triton_error_reason
 
-KERNEL_MODULES = (triton_store, triton_decode, triton_prefill)
+KERNEL_MODULES = (triton_store, triton_decode, triton_prefill)  # attention: the engine's matrix, the specialisations
+MOE_MODULES = (triton_moe,)
+# (hidden, expert intermediate, experts, top-k, fp32 routing weights)
+MOE_SHAPES = {"Mixtral-8x7B": (4096, 14336, 8, 2, True), "Qwen3-30B-A3B": (2048, 768, 128, 8, False)}
+# Steps of 1 to 4,096 tokens: decode-sized ones (16-row blocks) and prefill-sized ones (64-row blocks)
+MOE_TOKENS = (1, 3, 8, 16, 100, 511, 512, 4096)
 MAX_MODEL_LEN = 131072  # Llama 3's context: what the CUDA graphs' metadata holds
 WINDOW = 512  # Gemma 3's sliding window: a multiple of 16, which Triton would specialise on
 BLOCK_SIZE = 16
@@ -33,7 +41,7 @@ H200_SMS = 132
 
 def defined_kernels() -> list[str]:
     """Every kernel the Triton modules define (their helpers live in triton_common)."""
-    return sorted(fn.fn.__name__ for module in KERNEL_MODULES for fn in vars(module).values()
+    return sorted(fn.fn.__name__ for module in KERNEL_MODULES + MOE_MODULES for fn in vars(module).values()
                   if isinstance(fn, JITFunction) and fn.fn.__module__ == module.__name__)
 
 
@@ -119,6 +127,47 @@ def specialisations(target: triton_aot.Target) -> dict:
         return {"after_warm_up": warm, "after_run": variants(launched), "launches": len(launched)}
 
 
+def moe_reports(target: triton_aot.Target) -> list[dict]:
+    """grouped_experts compiled for `target` on meta tensors (which also shows it reads nothing back to the host: a
+    meta tensor has no value), per dtype and model shape, at every step size of MOE_TOKENS, and checked as the
+    attention's dot kernels are: shared memory within the target, tensor cores and no spills in 16-bit."""
+    reports = []
+    meta = torch.device("meta")
+    for dtype_name in ("bfloat16", "float16"):
+        dtype = getattr(torch, dtype_name)
+        for shape, (hidden, intermediate, experts, top_k, fp32_weights) in MOE_SHAPES.items():
+            report = {"case": f"{dtype_name} {shape}", "variants": [], "problems": []}
+            launched = []
+            try:
+                with triton_aot.compile_only(target) as launched:
+                    w_gate_up = torch.empty(experts, 2 * intermediate, hidden, dtype=dtype, device=meta)
+                    w_down = torch.empty(experts, hidden, intermediate, dtype=dtype, device=meta)
+                    for tokens in MOE_TOKENS:
+                        x = torch.empty(tokens, hidden, dtype=dtype, device=meta)
+                        weights = torch.empty(tokens, top_k, dtype=torch.float32 if fp32_weights else dtype,
+                                              device=meta)
+                        expert_ids = torch.empty(tokens, top_k, dtype=torch.int64, device=meta)
+                        triton_moe.grouped_experts(x, w_gate_up, w_down, weights, expert_ids,
+                                                   TorchElementwise.silu_mul)
+            except Exception as exc:  # noqa: BLE001 -- a compile error is the finding
+                report["problems"].append(f"does not compile: {type(exc).__name__}: {triton_error_reason(exc)}")
+            seen = set()
+            for name, kernel in launched:
+                if kernel.hash not in seen:
+                    seen.add(kernel.hash)
+                    variant = triton_aot.analyse(name, kernel)
+                    report["variants"].append(dataclasses.asdict(variant))
+                    if variant.shared > target.shared_memory:
+                        report["problems"].append(f"{name} needs {variant.shared:,} bytes of shared memory, more "
+                                                  f"than the {target.shared_memory:,} of {target.name}")
+                    if not variant.tensor_cores:
+                        report["problems"].append(f"{name} has no tensor-core instruction (wgmma / mma)")
+                    if variant.spill_bytes:
+                        report["problems"].append(f"{name} spills registers: {variant.spill_bytes} bytes of stack")
+            reports.append(report)
+    return reports
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", choices=sorted(triton_aot.TARGETS), required=True)
@@ -131,7 +180,7 @@ def main() -> None:
         return [dataclasses.asdict(triton_aot.compile_case(case, target)) for case in cases]
 
     report = {"target": target.name, "defined_kernels": defined_kernels(), "cases": compiled(triton_aot.engine_cases()),
-              "planted": compiled(triton_aot.PLANTED)}
+              "planted": compiled(triton_aot.PLANTED), "moe": moe_reports(target)}
     if args.specialisations:
         report["specialisations"] = specialisations(target)
         specialise_everything()

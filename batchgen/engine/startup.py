@@ -17,6 +17,7 @@ from ..models.inspector import CheckpointHeaders, ModelDescription, describe_mod
 from ..models.registry import NATIVE, ModelError
 from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
 from ..models.accounting import num_parameters, weight_bytes
+from ..models.moe import SparseMoeBlock
 from ..models.packed_linear import PackedLinear, packing_supported
 from ..models.upcast_linear import UpcastLinear, upcast_supported
 from .cpu_features import DtypeChoice
@@ -101,6 +102,10 @@ def set_up(args: EngineArgs) -> EngineSetup:
     finally:
         if heap is not None:
             heap.close()
+    if device.type == "cuda":  # the experts stacked for the grouped kernel before the profiling step sizes the cache
+        for module in model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.stack_experts()
     if args.quantization:  # said at every run, not only in the README: outputs change
         logger.warning(QUANTIZATION_WARNINGS[args.quantization])
     if target.quantization_note:
@@ -166,7 +171,8 @@ def prefaulted_heap(checkpoint: CheckpointHeaders | None, device: torch.device, 
     """On the CPU, the heap for the weights to come (every number the checkpoint holds, at `dtype`), faulted in
     beside the config's and the tokenizer's loading; not for int8 weights, which take a fraction of what is read
     (the rest would be resident until the load ends)."""
-    if device.type != "cpu" or quantization is not None or checkpoint is None:
+    if device.type != "cpu" or quantization is not None or checkpoint is None or \
+            any(entry["dtype"] == "I8" for entry in checkpoint.entries.values()):  # a converted GGUF's int8
         return None
     return PrefaultedHeap(checkpoint.numel * dtype.itemsize)
 

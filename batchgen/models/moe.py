@@ -13,6 +13,11 @@ it packs the dense layers. Measured on this project's 2-core AVX-512 machine (de
 2048, 16 experts of 4096, top-2), one expert PackedLinear per active expert beat the experts stacked in one tensor
 (F.linear on each expert's slice, or torch's grouped_mm) at every token count: 1.3-1.5x at 1 to 64 tokens, 1.1x at
 512 (docs/moe.md).
+
+On CUDA the loop above would read each expert's row count back to the host every layer (no CUDA graph could capture
+it): there the block stacks its experts' weights once, on its first CUDA forward, into one [E, 2I, H] and one
+[E, H, I] tensor, each expert's Linear weight becoming a view into them (one copy of the weights), and runs them
+with two grouped Triton launches (batchgen_kernels/triton_moe.py, the same numerics). The CPU path is run_experts.
 """
 from __future__ import annotations
 
@@ -93,10 +98,62 @@ class SparseMoeBlock(nn.Module):
                                      for _ in range(settings.num_experts))
         self.shared_expert = shared_expert
         self.shared_expert_gate = None if shared_expert is None else nn.Linear(hidden_size, 1, bias=False)
+        # On CUDA: (gate_up [E, 2I, H], down [E, H, I]), the experts' weights stacked (stack_experts); not
+        # registered, so the state dict and the parameters stay the per-expert Linears' (views into these). False:
+        # found not stackable (run_experts runs them)
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | bool | None = None
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         weights, expert_ids = route(self.gate(x), self.settings)
-        out = run_experts(self.experts, x, weights, expert_ids, ops)
+        if x.is_cuda and self.stack_experts():
+            from batchgen_kernels.triton_moe import grouped_experts
+
+            out = grouped_experts(x, *self._stacked, weights, expert_ids, ops.silu_mul)
+        else:
+            out = run_experts(self.experts, x, weights, expert_ids, ops)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ops)
         return out
+
+    def stack_experts(self) -> bool:
+        """Stack the experts' weights into [E, 2I, H] and [E, H, I] tensors, once, and make each expert's Linear
+        weight a view into them, so the weights are held once; True when they are (or already were) stacked on a
+        CUDA device. Each expert's own tensor is released as soon as it is copied: the stacking holds at most one
+        projection's stack of this layer on top of the weights. Experts that are not plain bias-free nn.Linear
+        layers of one dtype on CUDA (a packed or quantized form), or without Triton, are left as they are: False,
+        run_experts runs them. The engine's start-up calls it right after loading (engine/startup.py), before the
+        profiling step sizes the KV cache; else the first CUDA forward does."""
+        if self._stacked is False:
+            return False
+        gate_ups = [expert.gate_up_proj for expert in self.experts]
+        downs = [expert.down_proj for expert in self.experts]
+        if self._stacked is not None and gate_ups[0].weight.data_ptr() == self._stacked[0].data_ptr() \
+                and downs[0].weight.data_ptr() == self._stacked[1].data_ptr():
+            return True  # the usual case; a check that a move (model.to) has not replaced the views
+        linears = gate_ups + downs
+        first = gate_ups[0].weight
+        if not first.is_cuda:
+            return False
+        if not all(type(linear) is nn.Linear and linear.bias is None and linear.weight.device == first.device
+                   and linear.weight.dtype == first.dtype for linear in linears):
+            self._stacked = False
+            return False
+        try:
+            import batchgen_kernels.triton_moe  # noqa: F401 -- needs Triton
+        except ImportError:
+            self._stacked = False
+            return False
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, even when the first forward is in
+            self._stacked = (_stack_weights(gate_ups), _stack_weights(downs))  # inference mode
+        return True
+
+
+def _stack_weights(linears: list[nn.Linear]) -> torch.Tensor:
+    """One [E, out, in] tensor of the Linears' weights; each Linear's weight becomes its slice (its old tensor freed
+    as soon as it is copied)."""
+    first = linears[0].weight
+    stacked = torch.empty((len(linears), *first.shape), dtype=first.dtype, device=first.device)
+    for index, linear in enumerate(linears):
+        stacked[index].copy_(linear.weight)
+        linear.weight = nn.Parameter(stacked[index], requires_grad=False)
+    return stacked
