@@ -55,6 +55,28 @@ def test_stored_int8_weights_are_used_as_stored_and_their_activations_follow_the
     assert (layer(x).float() - reference).abs().max() <= 0.02 * reference.abs().max()
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17, 100])
+def test_weight_only_many_rows_convert_the_weight_a_chunk_at_a_time(monkeypatch, rows):
+    """From WEIGHT_ONLY_MAX_ROWS rows on, the weight converted to bf16 (here 8 output rows at a time) and the output
+    scaled: the same product as the int8 kernel's, to bf16's precision; with batch_invariant every row count takes
+    the int8 kernel, so a row's output is the same alone or among 100."""
+    from batchgen.models import quantization
+
+    monkeypatch.setattr(quantization, "CONVERT_CHUNK_BYTES", 8 * 64 * 2)
+    torch.manual_seed(0)
+    q, scale = quantize_weight(torch.randn(44, 64), torch.bfloat16)
+    layer = Int8Linear.from_int8(q, scale.float(), torch.randn(44, dtype=torch.bfloat16), "weight_only",
+                               torch.bfloat16)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    reference = x.float() @ (q.float() * scale.float()[:, None]).T + layer.bias.float()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 44)
+    assert (out.float() - reference).abs().max() <= 0.02 * reference.abs().max()
+    layer.batch_invariant = True
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+    assert torch.equal(layer(x), alone)
+
+
 def test_int8_linear_rows_are_independent_of_the_batch():
     """Each token's activations get their own scale: a row's output does not depend on the rows beside it."""
     torch.manual_seed(0)

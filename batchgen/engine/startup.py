@@ -19,6 +19,7 @@ from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_m
 from ..models.accounting import num_parameters, weight_bytes
 from ..models.moe import SparseMoeBlock
 from ..models.packed_linear import PackedLinear, packing_supported
+from ..models.quantization import Int8Linear
 from ..models.upcast_linear import UpcastLinear, upcast_supported
 from .cpu_features import DtypeChoice
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
@@ -108,6 +109,12 @@ def set_up(args: EngineArgs) -> EngineSetup:
                 module.stack_experts()
     if args.quantization:  # said at every run, not only in the README: outputs change
         logger.warning(QUANTIZATION_WARNINGS[args.quantization])
+    else:
+        stored = next((module for module in model.modules() if isinstance(module, Int8Linear)), None)
+        if stored is not None:  # a converted GGUF: int8 as stored, whatever the job's quantization (gguf_int8.py)
+            activations = "int8 (W8A8)" if stored.activations == "dynamic_int8" else \
+                f"{str(dtype.dtype).removeprefix('torch.')} (weight-only)"
+            logger.info("weights: int8 as the GGUF's conversion stores them, %s activations", activations)
     if target.quantization_note:
         logger.warning("quantization int8: %s", target.quantization_note)
     if pack:
@@ -119,9 +126,10 @@ def set_up(args: EngineArgs) -> EngineSetup:
             logger.info("linear layers: %d bf16 weights multiplied in fp32 (no native bf16 on this CPU)", upcast)
     if device.type == "cpu":  # the loader's freed plain copies back to the system (host_malloc.py)
         release_freed_memory()
-    if args.batch_invariant:  # Linear layers that switch kernels by row count take one path (packed/upcast_linear.py)
+    if args.batch_invariant:  # Linear layers that switch kernels by row count take one path (packed/upcast_linear.py,
+        # quantization.py)
         for module in model.modules():
-            if isinstance(module, (PackedLinear, UpcastLinear)):
+            if isinstance(module, (PackedLinear, UpcastLinear, Int8Linear)):
                 module.batch_invariant = True
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     eos = eos_token_ids(model_dir, tokenizer)

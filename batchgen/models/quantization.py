@@ -10,9 +10,11 @@ Each weight matrix [out, in] becomes int8 with one fp32 scale per output channel
   packed kernels: int8 saves memory here, not time. It costs quality: perplexity +4.5% (dev/quant_quality.py),
   mostly from the int8 inputs of qkv, gate_up and the LM head.
 - CPU with bf16/fp16 activations and `weight_only` (`quantization: int8-weight-only`): `aten._weight_int8pack_mm`
-  (the activations stay in the model's dtype). It reads half the bytes of bf16 weights, so it is fastest where a
-  step is bound by reading the weights (few rows) and slower than bf16 from ~32 rows on (the AVX-512 EPYC above;
-  `batchgen bench --roofline --quantization` measures where on a given CPU). With fp32 activations it is 6-35x slower
+  (the activations stay in the model's dtype) up to WEIGHT_ONLY_MAX_ROWS rows. It reads half the bytes of bf16
+  weights, so it is fastest where a step is bound by reading the weights (few rows), but its time grows with the
+  rows; a step of more rows multiplies by the weight converted to bf16 a few MiB at a time (`_weight_only_matmul`:
+  the default model's 64-row generation bench 27.9 s, against 52.3-53.1 s with the int8 kernel for every step and
+  23.8-24.1 s in plain bf16; `batchgen bench --roofline --quantization` measures decode on a given CPU). With fp32 activations it is 6-35x slower
   than fp32 (no vectorised fp32 kernel): the engine refuses it with dtype float32.
 - Other devices: the weight is dequantized to the activations' dtype for each matmul (correct anywhere; it saves
   memory, not time).
@@ -87,6 +89,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.batch_invariant = False  # weight_only: every row count takes the one-row kernel (_weight_only_matmul)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, activations: str = "dynamic_int8") -> Int8Linear:
@@ -112,7 +115,7 @@ class Int8Linear(nn.Module):
         elif self.activations == "dynamic_int8":
             out = _dynamic_int8_matmul(x2, self.qweight, self.scale)
         else:
-            out = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale.to(x.dtype))
+            out = _weight_only_matmul(x2, self.qweight, self.scale.to(x.dtype), self.batch_invariant)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -120,6 +123,33 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"activations={self.activations}")
+
+
+# _weight_int8pack_mm is a matrix-vector product per row: its time grows with the rows as bf16's matmul's does not
+# (the default model's shapes on the 2-core AVX-512 EPYC: 0.8-1.3x bf16's F.linear at 8 rows, 1.6-2.7x at 32, 2.6-4.7x
+# at 1,024), so a step of more rows than this multiplies by the weight converted to the activations' dtype instead.
+WEIGHT_ONLY_MAX_ROWS = 16
+# The converted weight a few MiB at a time: under glibc's largest mmap threshold (engine/host_malloc.py), so each
+# step reuses the same heap pages rather than faulting in fresh ones (a 49,152-row head converted whole: 19 ms).
+CONVERT_CHUNK_BYTES = 16 << 20
+
+
+def _weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                        batch_invariant: bool) -> torch.Tensor:
+    """x [rows, in] (bf16/fp16) @ (q * scale).T. Up to WEIGHT_ONLY_MAX_ROWS rows (and always with
+    `batch_invariant`), the int8 kernel, reading half of a 16-bit weight's bytes; from there the weight converted
+    to x's dtype (exact: |q| <= 127, one pass into a scratch matrix), one matmul, and each output column scaled,
+    which is what a step of many rows (a prefill) is bound by: its multiplications, not its weight bytes."""
+    if batch_invariant or x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scale)
+    rows = max(1, CONVERT_CHUNK_BYTES // (x.element_size() * qweight.shape[1]))
+    if rows >= qweight.shape[0]:
+        return F.linear(x, qweight.to(x.dtype)).mul_(scale)
+    out = x.new_empty(x.shape[0], qweight.shape[0])
+    for start in range(0, qweight.shape[0], rows):
+        end = min(start + rows, qweight.shape[0])
+        out[:, start:end] = F.linear(x, qweight[start:end].to(x.dtype)).mul_(scale[start:end])
+    return out
 
 
 def _dynamic_int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
