@@ -95,6 +95,14 @@ def tensors_of(shape: dict, types: str, vocab: int) -> list[tuple[str, tuple[int
 
     out = [("token_embd.weight", (vocab, h), kind("token_embd"))]
     for i in range(layers):
+        if shape.get("arch") == "phi3":  # q/k/v and gate/up fused, as Phi-3's own layers hold them
+            out += [(f"blk.{i}.attn_norm.weight", (h,), "F32"),
+                    (f"blk.{i}.attn_qkv.weight", (h + 2 * kv, h), kind("attn_qkv", i)),
+                    (f"blk.{i}.attn_output.weight", (h, h), kind("attn_output", i)),
+                    (f"blk.{i}.ffn_norm.weight", (h,), "F32"),
+                    (f"blk.{i}.ffn_up.weight", (2 * inter, h), kind("ffn_up", i)),
+                    (f"blk.{i}.ffn_down.weight", (h, inter), kind("ffn_down", i))]
+            continue
         out += [(f"blk.{i}.attn_norm.weight", (h,), "F32"),
                 (f"blk.{i}.attn_q.weight", (h, h), kind("attn_q", i)),
                 (f"blk.{i}.attn_k.weight", (kv, h), kind("attn_k", i)),
@@ -125,14 +133,15 @@ def random_blocks(rng: np.random.Generator, shape: tuple[int, int], kind: str) -
 def write_random_gguf(path: Path, shape: str = "tiny", types: str = "Q4_K_M", seed: int = 0,
                       overrides: dict | None = None, tokenizer_gguf: Path | None = None) -> Path:
     """Write the GGUF; returns its path. `overrides`: SHAPES keys set otherwise, e.g. "tied" (no output.weight:
-    the LM head is the embedding), "vocab" (0: the tokenizer's own), "layers", "hidden"."""
+    the LM head is the embedding), "vocab" (0: the tokenizer's own), "layers", "hidden", and "arch": "phi3" for
+    Phi-3's layout (fused q/k/v and gate/up: an architecture batchgen runs on its generic path)."""
     path = Path(path)
     _refuse_inside_git(path)
     spec = {**SHAPES[shape], **(overrides or {})}
     tokenizer = tokenizer_fields(tokenizer_gguf or default_gguf(), spec["vocab"])
     vocab = spec["vocab"] or len(next(value for key, value, _, _ in tokenizer if key == "tokenizer.ggml.tokens"))
     tensors = tensors_of(spec, types, vocab)
-    writer = GGUFWriter(path, "llama")
+    writer = GGUFWriter(path, spec.get("arch", "llama"))
     writer.add_name(f"random {shape} {types}")
     writer.add_context_length(spec["context"])
     writer.add_embedding_length(spec["hidden"])

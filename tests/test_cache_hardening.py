@@ -4,8 +4,9 @@ cached GGUF conversion is converted again, and one that passes the check but can
 advice to delete it; an unusable cache directory is a job error naming the setting; a FIFO or an oversized file in a
 model directory is a job error, never a hang.
 
-Every run gets its own BATCHGEN_CACHE_DIR; the default model's conversion in the user's cache (the
-default_model_dir fixture) is only read, as an HF directory or as the source of the damaged copies."""
+Every run gets its own BATCHGEN_CACHE_DIR; the default model's conversions in the user's cache (the
+default_model_dir and default_int8_dir fixtures) are only read, as HF directories or as the source of the damaged
+copies."""
 from __future__ import annotations
 
 import json
@@ -160,9 +161,9 @@ def empty_tokenizer(entry: Path) -> None:
 @pytest.mark.parametrize("command, with_manifest, edit", [("run", True, truncate_weights),
                                                           ("plan", False, empty_tokenizer)],
                          ids=["truncated-weights-run", "empty-tokenizer-plan"])
-def test_a_damaged_cached_conversion_is_converted_again(tmp_path, default_model_dir, command, with_manifest, edit):
+def test_a_damaged_cached_conversion_is_converted_again(tmp_path, default_int8_dir, command, with_manifest, edit):
     """Both ended in "runtime failure ... re-run the same command to resume", which never helps."""
-    entry = damaged_entry(tmp_path / "cache", default_model_dir, with_manifest, edit)
+    entry = damaged_entry(tmp_path / "cache", default_int8_dir, with_manifest, edit)
     result = cli(command, job_for(tmp_path, "default"), {"BATCHGEN_CACHE_DIR": str(tmp_path / "cache"), **NO_KERNELS},
                  timeout=600)
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
@@ -171,20 +172,20 @@ def test_a_damaged_cached_conversion_is_converted_again(tmp_path, default_model_
     if command == "run":
         assert_complete(result, tmp_path / "out")
     manifest = json.loads((entry / "batchgen-manifest.json").read_text())["files"]
-    assert manifest["model.safetensors"] == (default_model_dir / "model.safetensors").stat().st_size
+    assert manifest["model.safetensors"] == (default_int8_dir / "model.safetensors").stat().st_size
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]  # no temp or damaged copies left
 
 
 @pytest.mark.parametrize("command", ["plan", "run"])
 def test_a_cached_conversion_damaged_at_the_same_size_is_named_with_the_advice_to_delete_it(tmp_path,
-                                                                                           default_model_dir,
+                                                                                           default_int8_dir,
                                                                                            command):
     """Its sizes and headers are right, so it is used, and fails to load: a job error naming the entry."""
     def garble(entry: Path) -> None:
         size = (entry / "tokenizer.json").stat().st_size
         (entry / "tokenizer.json").write_bytes(b"\xff" * size)
 
-    entry = damaged_entry(tmp_path / "cache", default_model_dir, True, garble)
+    entry = damaged_entry(tmp_path / "cache", default_int8_dir, True, garble)
     result = cli(command, job_for(tmp_path, "default"), {"BATCHGEN_CACHE_DIR": str(tmp_path / "cache"),
                                                          **NO_KERNELS})
     assert_job_error(result, "model: ", str(entry), "delete")

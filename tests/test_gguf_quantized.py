@@ -112,7 +112,27 @@ def test_each_type_is_held_int8_and_matches_its_int8_reference(tiny_ggufs, kind)
     assert_greedy_matches(reference, prompts, references, greedy(engine, prompts))
 
 
-def test_the_stored_tensors_are_int8_with_scales_and_floats_are_the_ggufs(tiny_ggufs):
+def test_a_generic_path_architectures_gguf_is_held_int8_too(tiny_ggufs):
+    """Phi-3 (fused q/k/v and gate/up; no native implementation): converted one tensor at a time like a Llama, each
+    of transformers' Linear layers loaded as an Int8Linear on the generic path, its greedy tokens those of its int8
+    reference; `batchgen run` of it holds int8 too."""
+    gguf = tiny_ggufs["Q8_0"].parent / "tiny-phi3.gguf"
+    if not gguf.exists():
+        make_random_gguf.write_random_gguf(gguf, "tiny", "Q8_0", overrides={"arch": "phi3"})
+    model_dir = converted(gguf)
+    assert json.loads((model_dir / "config.json").read_text())[INT8_CONFIG_KEY]["source_types"] == {"Q8_0": 9}
+    with mock.patch.dict(loader.INT8_OPTIONS, {"activations": "weight_only"}):
+        engine = Engine(EngineArgs(model=str(model_dir), dtype="float32", kv_cache_memory="16MiB"))
+    assert engine.stats()["model_path"] == "generic"
+    int8 = [name for name, module in engine.model.named_modules() if isinstance(module, Int8Linear)]
+    assert len(int8) == 4 * 2 + 1  # qkv, o, gate_up, down of 2 layers; the head
+    reference = int8_reference(gguf)
+    prompts = [engine.tokenizer(text)["input_ids"] for text in PROMPTS]
+    references = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
+    assert_greedy_matches(reference, prompts, references, greedy(engine, prompts))
+
+
+
     """Every matrix int8 + fp32 scales whose q * scale is within half a step of the dequantized GGUF weight (also
     after transformers' q/k reverse permute); the embedding and norms exactly the GGUF's values."""
     gguf = gguf_of(tiny_ggufs, "Q4_K_M")
@@ -171,10 +191,15 @@ def test_an_int8_weight_without_its_scales_is_named(tiny_ggufs, tmp_path):
 
 
 @pytest.mark.slow
-def test_batchgen_run_on_a_gguf_is_int8_and_within_its_bound(tiny_ggufs, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_batchgen_run_on_a_gguf_is_int8_and_within_its_bound(tiny_ggufs, tmp_path, arch):
     """The CLI from the .gguf file: converted into the cache (an int8 entry), run, its peak under the printed bound
-    and its weights the int8 figure."""
-    gguf = gguf_of(tiny_ggufs, "Q4_K_M")
+    and its weights the int8 figure; Phi-3 on the generic path."""
+    if arch == "llama":
+        gguf = gguf_of(tiny_ggufs, "Q4_K_M")
+    else:
+        gguf = make_random_gguf.write_random_gguf(tmp_path / "phi3.gguf", "tiny", "Q4_K_M",
+                                                  overrides={"arch": "phi3"})
     inputs = write_input(tmp_path / "in.parquet", PROMPTS)
     job = {"model": str(gguf), "dtype": "bfloat16", "device": "cpu",
            "input": {"path": str(inputs), "id_column": "id"}, "sampling": {"max_tokens": 6},
@@ -186,6 +211,7 @@ def test_batchgen_run_on_a_gguf_is_int8_and_within_its_bound(tiny_ggufs, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
     assert summary["rows_ok"] == len(PROMPTS)
+    assert summary["engine_stats"]["model_path"] == ("native" if arch == "llama" else "generic")
     assert summary["peak_memory_bytes"] <= summary["memory_bound_bytes"]
     [entry] = (tmp_path / "cache" / "gguf").iterdir()
     assert INT8_CONFIG_KEY in json.loads((entry / "config.json").read_text())

@@ -20,14 +20,18 @@ from .checkpoint_files import weight_files
 from .generic import TransformersCausalLM
 from .generic_attention import ATTENTION_NAME, register_attention
 from .generic_support import causal_lm_class, describe
+from .gguf_int8 import read_int8, stores_int8
 from .packed_linear import PackedLinear
+from .quantization import Int8Linear
 from .upcast_linear import UpcastLinear, upcast_supported
 from .weight_reader import ShardReader, Staging
 
 
 def load_generic_model(model_dir: Path, config, dtype: torch.dtype, device: torch.device,
-                       pack: bool = False) -> TransformersCausalLM:
-    """The transformers model in `model_dir` behind the engine's model contract, in `dtype` on `device`."""
+                       pack: bool = False, int8_activations: str | None = None) -> TransformersCausalLM:
+    """The transformers model in `model_dir` behind the engine's model contract, in `dtype` on `device`.
+    `int8_activations`: the checkpoint is a converted GGUF's int8 (gguf_int8.py), each Linear stored in int8 becoming
+    an Int8Linear with these activations (quantization.ACTIVATIONS)."""
     register_attention()
     config._attn_implementation = ATTENTION_NAME
     model_class = causal_lm_class(config)
@@ -37,8 +41,11 @@ def load_generic_model(model_dir: Path, config, dtype: torch.dtype, device: torc
             shard = ShardReader(file)
             stack.callback(shard.close)
             shard_of.update(dict.fromkeys(shard.keys(), shard))
-        hf_model = _stream(model_class, config, shard_of, dtype, pack and device.type == "cpu")
+        hf_model = _stream(model_class, config, shard_of, dtype, pack and device.type == "cpu", int8_activations)
     if hf_model is None:
+        if int8_activations is not None:
+            raise ValueError(f"{model_dir} holds int8 weights but does not name every parameter of "
+                             f"{model_class.__name__}")
         hf_model = model_class.from_pretrained(model_dir, config=config, dtype=dtype,
                                                attn_implementation=ATTENTION_NAME)
         if pack and device.type == "cpu":
@@ -50,7 +57,8 @@ def load_generic_model(model_dir: Path, config, dtype: torch.dtype, device: torc
     return TransformersCausalLM(hf_model, describe(hf_model, hf_model.config))
 
 
-def _stream(model_class, config, shard_of: dict[str, ShardReader], dtype: torch.dtype, pack: bool):
+def _stream(model_class, config, shard_of: dict[str, ShardReader], dtype: torch.dtype, pack: bool,
+            int8_activations: str | None):
     """The model with every parameter read from the shards, or None where they do not name them all."""
     from accelerate import init_empty_weights
 
@@ -63,11 +71,16 @@ def _stream(model_class, config, shard_of: dict[str, ShardReader], dtype: torch.
     fp32 = _kept_in_fp32(model_class, dtype)
     casts, plains = Staging(), Staging()  # a Linear's plain weight, read only to be packed, goes to `plains`
     for module_name, module in list(model.named_modules()):
+        int8 = None  # a Linear's weight stored in int8: (q, scale), the module replaced once its bias is read
         for leaf, param in list(module._parameters.items()):
             if param is None or not param.is_meta:
                 continue
             name = f"{module_name}.{leaf}" if module_name else leaf
             if name not in wanted:  # a tied head's weight: tie_weights gives it the embedding's
+                continue
+            if int8_activations is not None and leaf == "weight" and type(module) is nn.Linear and \
+                    stores_int8(shard_of, name):
+                int8 = read_int8(shard_of, [name], list(param.shape))
                 continue
             keep = torch.float32 if any(f".{kept}." in f".{name}." for kept in fp32) else dtype
             target = keep if param.is_floating_point() else param.dtype
@@ -76,7 +89,9 @@ def _stream(model_class, config, shard_of: dict[str, ShardReader], dtype: torch.
             tensor = plains.take(param.shape, target) if packed else torch.empty(param.shape, dtype=target)
             shard_of[name].read_into(name, tensor, casts)
             module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-        if pack:
+        if int8 is not None:
+            _replace(model, module_name, Int8Linear.from_int8(*int8, module.bias, int8_activations, dtype))
+        elif pack:
             _final_form(model, module_name, module)
     model.tie_weights()  # the head takes the embedding read above, where the config ties them
     if pack:
@@ -110,12 +125,15 @@ def _final_form(model: nn.Module, name: str, module: nn.Module) -> None:
     """A fully read plain Linear replaced by its packed form (or bf16 computed in fp32), its plain weight freed."""
     if type(module) is not nn.Linear or module.weight.is_meta or module.weight.device.type != "cpu":
         return
-    parent_name, _, leaf = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
     if upcast_supported(module.weight.device, module.weight.dtype):
-        setattr(parent, leaf, UpcastLinear(module.weight, module.bias))
+        _replace(model, name, UpcastLinear(module.weight, module.bias))
     else:
-        setattr(parent, leaf, PackedLinear(module.weight, module.bias))
+        _replace(model, name, PackedLinear(module.weight, module.bias))
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
 
 
 def _own_memory(model: nn.Module) -> None:

@@ -145,9 +145,9 @@ def _kv_heads(module: nn.Module, heads: int, key_dim: int) -> int:
     groups = getattr(module, "num_key_value_groups", None)
     if groups:
         return heads // groups
-    k_proj = getattr(module, "k_proj", None)
-    if isinstance(k_proj, nn.Linear):
-        return k_proj.out_features // key_dim
+    width = getattr(getattr(module, "k_proj", None), "out_features", None)  # nn.Linear, packed or int8
+    if width:
+        return width // key_dim
     return heads
 
 

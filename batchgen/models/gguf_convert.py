@@ -1,6 +1,6 @@
 """A GGUF file converted into a model directory for batchgen's cache (gguf_cache.py), one tensor at a time.
 
-For an architecture batchgen implements natively, the GGUF is read with gguf's GGUFReader (memory-mapped) and each
+For an architecture batchgen runs (natively or on the generic path), the GGUF is read with gguf's GGUFReader (memory-mapped) and each
 tensor goes its own way, a few rows at a time: dequantized (gguf.quants.dequantize), put in transformers' layout by
 transformers' own GGUF tensor processor (Llama's q/k reverse permute, Gemma's norms less one) under transformers'
 own name for it (get_gguf_hf_weights_map), then, for the weight of a Linear layer, requantized at once to batchgen's
@@ -9,8 +9,9 @@ known before the first tensor is read. The file's pages are dropped from this pr
 holds a few rows in fp32 at a time, never the model: an 8B Q4_K_M file converts in a few hundred MiB of memory.
 The result is gguf_int8.py's checkpoint, loaded as int8. Config and tokenizer come from transformers' GGUF support.
 
-A GGUF that the native path cannot take (an architecture only the generic path runs, experts stored stacked) is
-converted as before: the whole model loaded through transformers in fp32 and saved dequantized (fp32)."""
+A GGUF whose tensors are not one to one with transformers' parameters (experts stored stacked in one tensor, a
+processor that merges tensors) is converted as before: the whole model loaded through transformers in fp32 and
+saved dequantized (fp32)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ import torch
 
 from .gguf_int8 import INT8_CONFIG_KEY, SCALE_SUFFIX
 from .quantization import quantize_weight
-from .registry import NATIVE, ModelError, model_path
+from .registry import ModelError, model_path
 
 logger = logging.getLogger("batchgen")
 
@@ -50,16 +51,14 @@ class _Planned:
 
 def convert_gguf(gguf: Path, out_dir: Path, int8: bool = True) -> None:
     """Write the model directory for `gguf` into `out_dir`: config.json, generation_config.json, the tokenizer and
-    model.safetensors (int8 where batchgen runs the architecture natively; fp32 otherwise, and everywhere without
-    `int8`: a plain checkpoint transformers loads, for comparisons). ModelError for a file transformers cannot read
+    model.safetensors (each Linear's weight int8, the rest fp32; everything fp32 without `int8`, or where the
+    tensors are not one to one with transformers': a plain checkpoint transformers loads, for comparisons). ModelError for a file transformers cannot read
     or an architecture batchgen does not run."""
     with _read_by_transformers(gguf):
         from transformers import AutoConfig, AutoTokenizer
 
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if model_path(config) != NATIVE:
-        _convert_through_transformers(gguf, out_dir)
-        return
+    model_path(config)  # an architecture batchgen does not run is refused before anything is converted
     with _read_by_transformers(gguf):
         from gguf import GGUFReader
 

@@ -19,7 +19,8 @@ INT8_CONFIG_KEY = "batchgen_int8"  # config.json: {"weights": "int8", "scales": 
 SCALE_SUFFIX = "_scale"
 READ_CHUNK_BYTES = 16 << 20  # a float tensor cast while read: this many bytes of its rows at a time
 
-__all__ = ["INT8_CONFIG_KEY", "SCALE_SUFFIX", "holds_int8", "load_int8_entry_parameter", "without_scales"]
+__all__ = ["INT8_CONFIG_KEY", "SCALE_SUFFIX", "holds_int8", "load_int8_entry_parameter", "read_int8", "stores_int8",
+           "without_scales"]
 
 
 def holds_int8(config) -> bool:
@@ -55,10 +56,24 @@ def load_int8_entry_parameter(model: nn.Module, param_name: str, names: list[str
     module = model.get_submodule(module_name)
     if not (param_name.endswith(".weight") and is_quantized(param_name) and isinstance(module, nn.Linear)):
         raise ValueError(f"weight {param_name} is stored in int8, but batchgen holds it in floating point")
+    qweight, scale = read_int8(shard_of, names, shape)
+    parent_name, _, leaf = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, Int8Linear.from_int8(qweight, scale, module.bias, activations, dtype))
+    return None
+
+
+def stores_int8(shard_of: dict[str, ShardReader], name: str) -> bool:
+    return shard_of[name].info(name)[0] == torch.int8
+
+
+def read_int8(shard_of: dict[str, ShardReader], names: list[str], shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 weight [out, in] stored as the tensors `names` (their rows concatenated) and its fp32 scales [out]."""
     qweight = torch.empty(shape, dtype=torch.int8)
     scale = torch.empty(shape[0], dtype=torch.float32)
     row = 0
-    for name, (_, part) in zip(names, stored):
+    for name in names:
+        part = shard_of[name].info(name)[1]
         scale_name = name + SCALE_SUFFIX
         if scale_name not in shard_of:
             raise ValueError(f"weight {name} is stored in int8 without its scales ({scale_name})")
@@ -68,10 +83,7 @@ def load_int8_entry_parameter(model: nn.Module, param_name: str, names: list[str
         shard_of[name].read_into(name, qweight[row:row + part[0]])
         shard_of[scale_name].read_into(scale_name, scale[row:row + part[0]])
         row += part[0]
-    parent_name, _, leaf = module_name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, leaf, Int8Linear.from_int8(qweight, scale, module.bias, activations, dtype))
-    return None
+    return qweight, scale
 
 
 def _read_float(shard_of: dict[str, ShardReader], names: list[str], shape: list[int], dtype: torch.dtype) -> torch.Tensor:

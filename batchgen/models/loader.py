@@ -180,12 +180,13 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
     if stored_int8:
         quantization = stored_int8_quantization(quantization, dtype)
     if model_path(config, model_impl) == GENERIC:  # before the weights: an unsupported architecture is what to report
-        if quantization:
+        if quantization and not stored_int8:
             raise UnsupportedModelError(f"quantization {quantization!r} is for batchgen's native architectures "
                                         f"({', '.join(SUPPORTED_ARCHITECTURES)}); {model_dir} runs on the generic "
                                         f"path")
+        activations = (INT8_OPTIONS["activations"] or QUANTIZED_ACTIVATIONS[quantization]) if stored_int8 else None
         with _reading(model_dir, "weights", (OSError, SafetensorError, ValueError)):
-            return load_generic_model(model_dir, config, dtype, device, pack)
+            return load_generic_model(model_dir, config, dtype, device, pack, activations)
     variant = model_variant(config)
     files = weight_files(model_dir)
     if not files:

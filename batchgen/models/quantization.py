@@ -136,11 +136,12 @@ CONVERT_CHUNK_BYTES = 16 << 20
 
 def _weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                         batch_invariant: bool) -> torch.Tensor:
-    """x [rows, in] (bf16/fp16) @ (q * scale).T. Up to WEIGHT_ONLY_MAX_ROWS rows (and always with
-    `batch_invariant`), the int8 kernel, reading half of a 16-bit weight's bytes; from there the weight converted
-    to x's dtype (exact: |q| <= 127, one pass into a scratch matrix), one matmul, and each output column scaled,
+    """x [rows, in] @ (q * scale).T. Up to WEIGHT_ONLY_MAX_ROWS rows of 16-bit activations (and always with
+    `batch_invariant`), the int8 kernel, reading half of a 16-bit weight's bytes; from there, and for fp32
+    activations (which the engine runs weight-only only where tests ask it to: the kernel has no fast fp32 path),
+    the weight converted to x's dtype (exact: |q| <= 127, one pass into a scratch matrix), one matmul, and each output column scaled,
     which is what a step of many rows (a prefill) is bound by: its multiplications, not its weight bytes."""
-    if batch_invariant or x.shape[0] <= WEIGHT_ONLY_MAX_ROWS:
+    if batch_invariant or (x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x.dtype != torch.float32):
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scale)
     rows = max(1, CONVERT_CHUNK_BYTES // (x.element_size() * qweight.shape[1]))
     if rows >= qweight.shape[0]:
