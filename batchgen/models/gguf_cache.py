@@ -28,8 +28,8 @@ CONVERSION_FORMAT = 2  # 2: int8 weights + scales (gguf_int8.py); 1: fp32
 # A converted model's list of its files and their sizes, written last (json: {"files": {name: bytes}}).
 CACHE_MANIFEST = "batchgen-manifest.json"
 
-__all__ = ["CACHE_MANIFEST", "CONVERSION_FORMAT", "CacheDirError", "cache_root", "check_cache_can_take", "check_file", "converted_gguf",
-           "is_cache_entry", "read_json", "writable_cache_dir"]
+__all__ = ["CACHE_MANIFEST", "CONVERSION_FORMAT", "CacheDirError", "cache_root", "check_cache_can_take", "check_file",
+           "converted_gguf", "is_cache_entry", "read_json", "writable_cache_dir"]
 
 
 class CacheDirError(ModelError):

@@ -1,17 +1,18 @@
 """A GGUF file converted into a model directory for batchgen's cache (gguf_cache.py), one tensor at a time.
 
-For an architecture batchgen runs (natively or on the generic path), the GGUF is read with gguf's GGUFReader (memory-mapped) and each
-tensor goes its own way, a few rows at a time: dequantized (gguf.quants.dequantize), put in transformers' layout by
-transformers' own GGUF tensor processor (Llama's q/k reverse permute, Gemma's norms less one) under transformers'
-own name for it (get_gguf_hf_weights_map), then, for the weight of a Linear layer, requantized at once to batchgen's
-int8 (quantization.quantize_weight), else kept in fp32; and written straight to model.safetensors, whose header is
-known before the first tensor is read. The file's pages are dropped from this process once read. So the conversion
-holds a few rows in fp32 at a time, never the model: an 8B Q4_K_M file converts in a few hundred MiB of memory.
-The result is gguf_int8.py's checkpoint, loaded as int8. Config and tokenizer come from transformers' GGUF support.
+For an architecture batchgen runs (natively or on the generic path), the GGUF is read with gguf's GGUFReader
+(memory-mapped) and each tensor goes its own way, a few rows at a time: dequantized (gguf.quants.dequantize), put in
+transformers' layout by transformers' own GGUF tensor processor (Llama's q/k reverse permute, Gemma's norms less
+one) under transformers' own name for it (get_gguf_hf_weights_map), then, for the weight of a Linear layer,
+requantized at once to batchgen's int8 (quantization.quantize_weight), else kept in fp32; and written straight to
+model.safetensors, whose header is known before the first tensor is read. The file's pages are dropped from this
+process once read. So the conversion holds a few rows in fp32 at a time, never the model: an 8B Q4_K_M file converts
+at ~1 GiB peak RSS, most of it the vocabulary's metadata (docs/models.md). The result is gguf_int8.py's checkpoint, loaded as int8. Config and tokenizer come
+from transformers' GGUF support.
 
 A GGUF whose tensors are not one to one with transformers' parameters (experts stored stacked in one tensor, a
-processor that merges tensors) is converted as before: the whole model loaded through transformers in fp32 and
-saved dequantized (fp32)."""
+processor that merges tensors) is converted as before: the whole model loaded through transformers in fp32 and saved
+dequantized (fp32)."""
 from __future__ import annotations
 
 import json
@@ -52,8 +53,8 @@ class _Planned:
 def convert_gguf(gguf: Path, out_dir: Path, int8: bool = True) -> None:
     """Write the model directory for `gguf` into `out_dir`: config.json, generation_config.json, the tokenizer and
     model.safetensors (each Linear's weight int8, the rest fp32; everything fp32 without `int8`, or where the
-    tensors are not one to one with transformers': a plain checkpoint transformers loads, for comparisons). ModelError for a file transformers cannot read
-    or an architecture batchgen does not run."""
+    tensors are not one to one with transformers': a plain checkpoint transformers loads, for comparisons).
+    ModelError for a file transformers cannot read or an architecture batchgen does not run."""
     with _read_by_transformers(gguf):
         from transformers import AutoConfig, AutoTokenizer
 
