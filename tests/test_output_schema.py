@@ -47,7 +47,7 @@ def test_readme_types_name_the_arrow_types():
     assert by_name["first_token_time"] == "timestamp[us, UTC], null"
 
 
-ALWAYS = [c for c in COLUMNS if c.only is None]  # the columns without a condition
+ALWAYS = [c for c in COLUMNS if c.only is None and "generate" in c.tasks]  # a generate job's unconditional columns
 
 
 def test_the_names_the_config_reads_are_the_tables():
@@ -58,8 +58,10 @@ def test_the_names_the_config_reads_are_the_tables():
 def test_schema_follows_the_columns():
     schema = output_schema(pa.string(), [("tag", pa.int32())])
     assert schema.names == [c.name for c in ALWAYS] + ["tag"]
-    assert set(OUTPUT_COLUMNS) - set(schema.names) == {"sample_index", "choice_probs", "logprobs", "top_logprobs",
-                                                       "json", "replica"}  # the conditional ones, not asked for
+    assert set(OUTPUT_COLUMNS) - set(schema.names) == {
+        "sample_index", "choice_probs", "logprobs", "top_logprobs", "json", "replica",  # the conditional ones
+        "embedding", "label", "probs", "score", "logprob_sum", "num_scored_tokens", "perplexity", "token_logprobs",
+        "num_truncated_tokens"}  # and the other tasks' (tests/test_task_config.py)
     assert schema.field("id").type == pa.string()
     assert [schema.field(c.name).type for c in ALWAYS[1:]] == [c.type for c in ALWAYS[1:]]
     assert all(field.nullable for field in schema)  # `nullable` in the table is documentation only

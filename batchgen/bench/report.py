@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .roofline_report import HISTORY_HEADER, history_lines
-from .system_types import SystemRun
+from .system_types import SystemRun, availability
 from .table import _fmt, render_table, short_dtype
 from .workloads import Workload
 
@@ -30,10 +30,8 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
 
 
 def system_figures(run: SystemRun, workload: Workload) -> dict[str, Any]:
-    figures: dict[str, Any] = {"available": run.available, "reason": run.reason, "dtype": run.details.get("dtype"),
-                               "quantization": run.details.get("quantization")}
+    figures = availability(run)
     if not run.available:
-        figures["details"] = run.details
         return figures
     prompt_tokens = workload.prompt_tokens
     output_tokens = sum(len(row.token_ids) for row in run.rows)
@@ -241,13 +239,18 @@ def history_table(path: Path) -> str:
     """The archive as a table: one line per system per run; roofline runs (`bench --roofline`) in a second one."""
     if not path.is_file():
         return f"no archive at {path} (a bench run appends to it)"
-    lines, roofline = [], []
+    from .task_report import TASK_HISTORY_HEADER, task_history_lines
+
+    lines, roofline, tasks = [], [], []
     for text in path.read_text().splitlines():
         if not text.strip():
             continue
         entry = json.loads(text)
         if entry.get("kind") == "roofline":
             roofline += history_lines(entry)
+            continue
+        if entry.get("task") not in (None, "generate"):  # embed, classify, score: rows/s, not output tokens
+            tasks += task_history_lines(entry)
             continue
         commit = (entry.get("git_commit") or "-")[:8]
         for name, f in entry["systems"].items():
@@ -260,7 +263,7 @@ def history_table(path: Path) -> str:
             dtype = precision({**f, "dtype": f.get("dtype") or "float32"})  # before --dtype: every system ran fp32
             lines.append([entry["date"][:16], commit, entry["workload"]["name"], str(entry["workload"]["rows"]),
                           name, dtype] + figures)
-    if not lines and not roofline:
+    if not lines and not roofline and not tasks:
         return f"the archive {path} is empty"
     header = ["date", "commit", "workload", "rows", "system", "dtype", "wall s", "out tok/s", "cache hit",
               "batchgen x", "same"]
@@ -268,4 +271,6 @@ def history_table(path: Path) -> str:
     if roofline:
         tables.append("roofline (bench --roofline): decode step time / floor, prefill share of the matmul rate\n"
                       + render_table(HISTORY_HEADER, roofline))
+    if tasks:
+        tables.append("embed, classify, score (prefill only): rows/s\n" + render_table(TASK_HISTORY_HEADER, tasks))
     return "\n\n".join(tables)

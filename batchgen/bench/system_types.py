@@ -37,6 +37,15 @@ class RowOutput:
 
 
 @dataclass
+class TaskRowOutput:
+    """One row's answer in a prefill-only workload (task_workloads.py)."""
+
+    id: int
+    values: list[float]  # embed: the embedding; classify: each label's probability; score: each scored token's logprob
+    label: str | None = None  # classify: the most probable label
+
+
+@dataclass
 class SystemRun:
     name: str
     available: bool
@@ -45,7 +54,7 @@ class SystemRun:
     # A fresh process's start to ready for requests (interpreter, imports, weights, KV cache), where measured so
     startup_s: float | None = None
     wall_s: float | None = None  # generation of every row
-    rows: list[RowOutput] = field(default_factory=list)
+    rows: list = field(default_factory=list)  # RowOutput, or TaskRowOutput in a prefill-only workload
     peak_rss_bytes: int | None = None
     details: dict[str, Any] = field(default_factory=dict)  # system-specific figures (batch size, cache hits, ...)
 
@@ -70,3 +79,12 @@ class BenchOptions:
 
 def elapsed(since: float) -> float:
     return time.monotonic() - since
+
+
+def availability(run: SystemRun) -> dict[str, Any]:
+    """The figures every system has, run or not (an unavailable one's details say why)."""
+    figures: dict[str, Any] = {"available": run.available, "reason": run.reason, "dtype": run.details.get("dtype"),
+                               "quantization": run.details.get("quantization")}
+    if not run.available:
+        figures["details"] = run.details
+    return figures

@@ -6,7 +6,7 @@ import gc
 import traceback
 from typing import Callable
 
-from . import batchgen_system, hf_continuous, hf_static, vllm_system
+from . import batchgen_system, hf_continuous, hf_static, task_baselines, task_batchgen, vllm_score, vllm_system
 from .workloads import LABELING_LABELS
 from .peak_rss import PeakRSS
 from .system_types import BenchOptions, SystemRun
@@ -23,12 +23,19 @@ RUNNERS: dict[str, Callable[[list, BenchOptions], SystemRun]] = {
     "vllm": vllm_system.run,
 }
 SYSTEMS = tuple(RUNNERS)
+# The prefill-only workloads' systems (task_harness.py), by task, batchgen first (the reference)
+TASK_SYSTEMS: dict[str, dict[str, Callable[[list, BenchOptions], SystemRun]]] = {
+    "embed": {"batchgen": task_batchgen.run, "sentence-transformers": task_baselines.sentence_transformers},
+    "classify": {"batchgen": task_batchgen.run, "hf-pipeline": task_baselines.text_classification},
+    "score": {"batchgen": task_batchgen.run, "vllm": vllm_score.run, "hf-forward": task_baselines.causal_lm_forward},
+}
 
 
-def run_system(name: str, rows: list, options: BenchOptions) -> SystemRun:
+def run_system(name: str, rows: list, options: BenchOptions,
+               runners: dict[str, Callable[[list, BenchOptions], SystemRun]] = RUNNERS) -> SystemRun:
     """Run one system over `rows`, watching this process's memory (unless the system reports its own, as the
     vLLM worker does); any failure becomes an unavailable SystemRun."""
-    runner = RUNNERS[name]
+    runner = runners[name]
     try:
         with PeakRSS() as rss:
             run = runner(rows, options)

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .peak_rss import PeakRSS
@@ -71,6 +72,48 @@ def binding_log(lines: list[str]) -> list[str]:
     return kept
 
 
+@dataclass
+class WorkerRun:
+    result: dict | None  # the worker's OUT file; None: it failed
+    failure: str | None  # why it failed
+    lines: list[str]  # its log
+    bind: str | None  # VLLM_CPU_OMP_THREADS_BIND as set (None: vLLM's default)
+    started: float  # time.monotonic() at its spawn (the worker's ready_monotonic is on the same clock)
+    total_s: float  # the worker process's spawn to exit
+    peak_rss_bytes: int  # its process tree's
+
+
+def launch_worker(spec: dict, threads_bind_setting: str) -> WorkerRun:
+    """Run vllm_worker.py under --vllm-python (spec["python"]) on `spec`, watching its process tree's memory."""
+    with tempfile.TemporaryDirectory(prefix="batchgen-bench-vllm-") as tmp:
+        in_path, out_path, log_path = Path(tmp, "in.json"), Path(tmp, "out.json"), Path(tmp, "worker.log")
+        in_path.write_text(json.dumps(spec))
+        bind = threads_bind(threads_bind_setting)
+        env = {key: value for key, value in os.environ.items() if key != BIND_ENV}
+        env.setdefault(STEP_TIMEOUT_ENV, STEP_TIMEOUT_S)
+        if bind is not None:
+            env[BIND_ENV] = bind
+        started = time.monotonic()
+        with open(log_path, "w") as log:
+            # Its own session: vLLM's engine-core and worker processes outlive a worker that dies of an error,
+            # and would keep both cores busy through the next system's run; they go with its process group.
+            worker = subprocess.Popen([spec["python"], str(WORKER), str(in_path), str(out_path)],
+                                      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                with PeakRSS(worker.pid, children=True) as worker_rss:
+                    code = worker.wait()
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(worker.pid, signal.SIGKILL)
+        total_s = elapsed(started)
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+        if code != 0 or not out_path.is_file():
+            return WorkerRun(None, f"worker exited with {code}: {lines[-1] if lines else 'no output'}", lines, bind,
+                             started, total_s, worker_rss.peak)
+        return WorkerRun(json.loads(out_path.read_text()), None, lines, bind, started, total_s,
+                         worker_rss.peak)
+
+
 def run(rows: list, options: BenchOptions) -> SystemRun:
     from batchgen.engine.engine_args import parse_bytes
     from batchgen.models.loader import reference_model_dir
@@ -94,36 +137,15 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
     llm_kwargs = {"kv_cache_memory_bytes": parse_bytes(options.engine_args.cpu_kv_cache_memory()),
                   "max_model_len": options.engine_args.max_model_len
                   or max(len(row.token_ids) + row.max_tokens for row in rows)}
-    spec = {"model_dir": str(model_dir), "enable_prefix_caching": True, "ignore_eos": options.ignore_eos,
-            "dtype": options.dtype, "llm_kwargs": llm_kwargs,
+    spec = {"python": options.vllm_python, "model_dir": str(model_dir), "enable_prefix_caching": True,
+            "ignore_eos": options.ignore_eos, "dtype": options.dtype, "llm_kwargs": llm_kwargs,
             "rows": [{"id": row.id, "prompt_token_ids": row.token_ids, "max_tokens": row.max_tokens}
                      for row in rows]}
-    with tempfile.TemporaryDirectory(prefix="batchgen-bench-vllm-") as tmp:
-        in_path, out_path, log_path = Path(tmp, "in.json"), Path(tmp, "out.json"), Path(tmp, "worker.log")
-        in_path.write_text(json.dumps(spec))
-        bind = threads_bind(options.vllm_threads_bind)
-        env = {key: value for key, value in os.environ.items() if key != BIND_ENV}
-        env.setdefault(STEP_TIMEOUT_ENV, STEP_TIMEOUT_S)
-        if bind is not None:
-            env[BIND_ENV] = bind
-        started = time.monotonic()
-        with open(log_path, "w") as log:
-            # Its own session: vLLM's engine-core and worker processes outlive a worker that dies of an error,
-            # and would keep both cores busy through the next system's run; they go with its process group.
-            worker = subprocess.Popen([options.vllm_python, str(WORKER), str(in_path), str(out_path)],
-                                      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            try:
-                with PeakRSS(worker.pid, children=True) as worker_rss:
-                    code = worker.wait()
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(worker.pid, signal.SIGKILL)
-        total_s = elapsed(started)
-        lines = log_path.read_text(errors="replace").strip().splitlines()
-        if code != 0 or not out_path.is_file():
-            return SystemRun.unavailable("vllm", f"worker exited with {code}: {lines[-1] if lines else 'no output'}",
-                                         log_tail=lines[-40:], omp_threads_bind=bind)
-        result = json.loads(out_path.read_text())
+    worker = launch_worker(spec, options.vllm_threads_bind)
+    if worker.result is None:
+        return SystemRun.unavailable("vllm", worker.failure, log_tail=worker.lines[-40:],
+                                     omp_threads_bind=worker.bind)
+    result, lines, bind, total_s = worker.result, worker.lines, worker.bind, worker.total_s
 
     outputs = [RowOutput(r["id"], r["token_ids"], r["first_token_s"], r["finish_s"], r["num_cached_tokens"])
                for r in result["rows"]]
@@ -137,6 +159,6 @@ def run(rows: list, options: BenchOptions) -> SystemRun:
                "quantization_detail": VLLM_QUANTIZATIONS[quantization],
                "vllm_quantization": result.get("quantization"),  # what vLLM itself says it ran
                "prefix_cache_hit_rate": sum(cached) / prompt_tokens if cached and prompt_tokens else None}
-    startup_s = result["ready_monotonic"] - started if "ready_monotonic" in result else None
+    startup_s = result["ready_monotonic"] - worker.started if "ready_monotonic" in result else None
     return SystemRun("vllm", True, load_s=result["load_s"], wall_s=result["wall_s"], rows=outputs,
-                     peak_rss_bytes=worker_rss.peak, details=details, startup_s=startup_s)
+                     peak_rss_bytes=worker.peak_rss_bytes, details=details, startup_s=startup_s)

@@ -4,10 +4,12 @@ file and write the outputs and timings as JSON. Standalone: imports nothing from
     python vllm_worker.py IN.json OUT.json
 
 IN:  {"model_dir": str, "enable_prefix_caching": bool, "dtype": str (default float32), "llm_kwargs": {...},
-      "ignore_eos": bool (default false), "rows": [{"id": int, "prompt_token_ids": [int], "max_tokens": int}]}
+      "ignore_eos": bool (default false), "rows": [{"id": int, "prompt_token_ids": [int], "max_tokens": int}],
+      "prompt_logprobs": bool (default false: score the prompts instead, one token generated a row)}
 OUT: {"vllm_version", "load_s", "ready_monotonic", "wall_s", "quantization", "rows": [{"id", "token_ids",
       "num_cached_tokens", "first_token_s", "finish_s"}]}  (row times in seconds since generation started; null
-      where vLLM has none; ready_monotonic: time.monotonic() once the LLM is ready, for the caller's start-up figure)
+      where vLLM has none; ready_monotonic: time.monotonic() once the LLM is ready, for the caller's start-up figure;
+      with prompt_logprobs each row has "prompt_logprobs": the logprob of each prompt token after the first)
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ def main(in_path: str, out_path: str) -> None:
 
     rows = spec["rows"]
     prompts = [TokensPrompt(prompt_token_ids=row["prompt_token_ids"]) for row in rows]
-    params = [SamplingParams(temperature=0.0, max_tokens=row["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
+    scoring = spec.get("prompt_logprobs", False)
+    params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0) if scoring else
+              SamplingParams(temperature=0.0, max_tokens=row["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
               for row in rows]
     started = time.monotonic()  # vLLM's engine-core timestamps are time.monotonic() too (one clock per machine)
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -48,6 +52,9 @@ def main(in_path: str, out_path: str) -> None:
                         "num_cached_tokens": getattr(output, "num_cached_tokens", None),
                         "first_token_s": first - started if first else None,
                         "finish_s": last - started if last else None})
+        if scoring:  # position i: {token id: Logprob} holding the prompt's own token i (None at the first)
+            results[-1]["prompt_logprobs"] = [entry[token].logprob for token, entry in
+                                              zip(row["prompt_token_ids"][1:], output.prompt_logprobs[1:])]
     with open(out_path, "w") as f:
         json.dump({"vllm_version": vllm.__version__, "load_s": load_s, "ready_monotonic": ready, "wall_s": wall_s,
                    "quantization": quantization, "rows": results}, f)

@@ -1,9 +1,10 @@
 """The engine: continuous batching over a paged KV cache with prefix caching."""
 from .engine_args import EngineArgs
 from .errors import SettingError
-from .request import Request, Result, SamplingParams
+from .request import PoolingParams, Request, Result, SamplingParams
 
-__all__ = ["Engine", "EngineArgs", "Request", "Result", "SamplingParams", "SettingError"]
+__all__ = ["Engine", "EngineArgs", "PoolingParams", "Request", "Result", "SamplingParams", "SettingError",
+           "open_engine"]
 
 
 def __getattr__(name: str):
@@ -12,4 +13,7 @@ def __getattr__(name: str):
     if name == "Engine":
         from .engine import Engine
         return Engine
+    if name == "open_engine":  # Engine, or EncoderEngine for an encoder model (BERT family): one public API
+        from .open import open_engine
+        return open_engine
     raise AttributeError(name)

@@ -14,8 +14,10 @@ from .kv_cache_manager import KVCacheManager
 from .output_processor import OutputProcessor
 from .errors import SettingError
 from .process_memory import peak_rss_bytes
-from .request import Request, Result
-from .request_group import RequestGroup
+from .pooler import ModelPooling, PrefillPrompt, check_prefill, classifier_of, model_pooling
+from .request_stream import stream_results
+from .request import PoolingParams, Request, Result
+from .request_group import PrefillGroup, RequestGroup
 from .sampler import PenaltyState, has_penalty
 from .scheduler import Scheduler, StepStats
 from .sequence import SequenceStatus
@@ -45,6 +47,11 @@ class Engine:
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = setup.runner
         self.eos_token_ids = setup.eos_token_ids  # every token that ends generation, the model's own first
+        self.task = args.task  # generate, or a prefill-only task (pooler.py): what every request returns
+        self.classifier = classifier_of(self.model) if self.task == "classify" else None
+        self.pooling = model_pooling(setup.model_dir) if self.task == "embed" else ModelPooling()
+        if self.classifier is not None:
+            self.runner.classifier_head = self.model.score
         self.output = OutputProcessor(self.tokenizer, setup.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, setup.eos_token_ids)
         self._seeds = random.Random(args.seed)
@@ -65,6 +72,9 @@ class Engine:
         step(). A request with n samples yields n Results, together, from one step()."""
         if request.request_id in self._unfinished:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        if self.task != "generate":
+            self._add_prefill(request)
+            return
         problem = self._check(request)
         candidates, new_matcher = None, lambda: None
         if problem is None:
@@ -87,6 +97,20 @@ class Engine:
         self._unfinished[request.request_id] = group
         for seq in group.first_sequences:
             self.scheduler.add(seq)
+
+    def _add_prefill(self, request: Request) -> None:
+        """A prefill-only request (task embed, classify or score): its PoolingParams apply, its sampling is ignored."""
+        params = request.pooling_params if request.pooling_params is not None else PoolingParams()
+        prompt = PrefillPrompt(request.prompt_token_ids, 0, self._check_prompt(request.prompt_token_ids))
+        if prompt.problem is None:
+            prompt = check_prefill(self.task, params, prompt.token_ids, self.max_model_len, self.context_limit,
+                                   self.plan.model.hidden_size)
+        if prompt.problem is not None:
+            self._rejected.append(self.output.error(request, prompt.problem))
+            return
+        group = PrefillGroup(request, prompt, self.task, params, self.classifier, self.pooling)
+        self._unfinished[request.request_id] = group
+        self.scheduler.add(group.members[0])
 
     def step(self) -> list[Result]:
         """One engine step. Returns the results that finished in it, after the error results of requests added
@@ -133,23 +157,8 @@ class Engine:
         """Yield a Result for every request, in completion order. `requests` may be a lazy iterable of any length:
         a new one is pulled only while fewer than max_num_seqs requests wait to run. on_step(): called after each
         step (the job runner samples the engine's stats there for its timeline)."""
-        source = iter(requests)
-        exhausted = False
-        while True:
-            while not exhausted and len(self.scheduler.waiting) + len(self._rejected) < self.args.max_num_seqs:
-                request = next(source, None)
-                if request is None:
-                    exhausted = True
-                    break
-                self.add_request(request)
-            if not self.has_unfinished():
-                if exhausted:
-                    return
-                continue
-            results = self.step()
-            if on_step is not None:
-                on_step()
-            yield from results
+        return stream_results(self, requests, lambda: len(self.scheduler.waiting) + len(self._rejected),
+                              self.args.max_num_seqs, on_step)
 
     def stats(self) -> dict:
         """Counters of the run so far, the dtype and the attention kernels and why, and the KV pool: its size and
@@ -170,6 +179,7 @@ class Engine:
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "kv_cache_tokens": self.kv_capacity,
+            "task": self.task,
             "dtype": str(self.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
             "model_path": self.plan.model.path,  # native (batchgen's implementation) or generic (transformers' code)
@@ -216,10 +226,9 @@ class Engine:
             params.validate()
         except ValueError as e:
             return f"invalid sampling parameters: {e}"
-        if ids is None or len(ids) == 0:
-            return "empty prompt: it has no tokens"
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            return f"prompt token ids must be integers in [0, {self.vocab_size})"
+        problem = self._check_prompt(ids)
+        if problem is not None:
+            return problem
         if len(ids) >= self.max_model_len:
             return (f"prompt is too long: {len(ids)} tokens, and {self.context_limit} "
                     f"(at least one must be left to generate)")
@@ -227,6 +236,13 @@ class Engine:
             return "stop strings need a tokenizer and this model has none"
         if params.choice and self.tokenizer is None:
             return "choice needs a tokenizer and this model has none"
+        return None
+
+    def _check_prompt(self, ids: list[int] | None) -> str | None:
+        if ids is None or len(ids) == 0:
+            return "empty prompt: it has no tokens"
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            return f"prompt token ids must be integers in [0, {self.vocab_size})"
         return None
 
     def _candidates(self, request: Request) -> list[list[int]] | None:

@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import SettingError
+from .request import TASKS
 
 MODEL_IMPLS = ("auto", "native", "transformers")  # models/registry.py's model_path reads them
 QUANTIZATIONS = ("int8", "int8-weight-only")  # models/quantization.py implements them (QUANTIZED_ACTIVATIONS)
@@ -36,6 +37,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY = "2GiB"
 @dataclass
 class EngineArgs:
     model: str = "default"
+    task: str = "generate"  # generate | embed | classify | score (request.TASKS): what every request returns;
+    # the last three run prefill only (PoolingParams), an encoder model (BERT family) on encoder_engine.py
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 256
@@ -67,7 +70,7 @@ class EngineArgs:
             raise SettingError("model", f"model must be a non-empty string, got {self.model!r}")
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda"),
                    "attention_backend": ("auto", "torch", "triton", "cpu"),
-                   "model_impl": MODEL_IMPLS}
+                   "model_impl": MODEL_IMPLS, "task": TASKS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise SettingError(name, f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")

@@ -8,6 +8,7 @@ from batchgen_kernels import AttentionMetadata
 
 from .cuda_graphs import DecodeGraphRunner
 from .kv_pool import KVPoolSize
+from .pooler import pool_rows
 from .sampler import Sampler, SamplingBatch
 from .sequence import Sequence, SequenceRole
 from .sliding_window import KVLayout
@@ -61,6 +62,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphRunner | None = None  # set at startup on CUDA: decode-only steps
+        self.classifier_head: torch.nn.Module | None = None  # task classify: the model's `score` (pooler.py)
         # The global group's cache (every layer's, without a local group) and the local group's.
         self.kv = GroupCache(model, len(layout.global_layers), pool.num_blocks, pool.block_size, dtype, device)
         self.local_kv = None if pool.local is None else GroupCache(
@@ -127,7 +129,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: dict[Sequence, int]) -> StepOutput:
         """Run one step: sample a token for each GENERATE sequence that reached its last token, score the
-        positions of SCORE sequences."""
+        positions of SCORE sequences, keep what POOL sequences pool."""
         # Decodes (one new token) first: the attention backends batch them together.
         batch = sorted(scheduled.items(), key=lambda item: item[1] != 1)
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
@@ -138,6 +140,7 @@ class ModelRunner:
 
         rows, sampling_seqs = [], []  # the last row of each sequence that samples
         score_rows, scoring = [], []  # the rows of scored positions, and (sequence, first position, count)
+        pooling = []  # POOL sequences: (sequence, first row, rows)
         end = 0
         for seq, n in batch:
             start, end = end, end + n
@@ -147,14 +150,18 @@ class ModelRunner:
                     sampling_seqs.append(seq)
             elif seq.role is SequenceRole.SCORE:
                 first = max(seq.num_computed_tokens, seq.score_from)  # positions computed now that are scored
-                count = seq.num_computed_tokens + n - first
+                count = min(seq.num_computed_tokens + n, seq.score_until) - first
                 if count > 0:
                     scoring.append((seq, first, count))
                     offset = start + first - seq.num_computed_tokens
                     score_rows.extend(range(offset, offset + count))
+            elif seq.role is SequenceRole.POOL:
+                pooling.append((seq, start, n))
         out = StepOutput()
         if scoring:
             out.scores = self._scores(hidden, score_rows, scoring)
+        if pooling:
+            out.pooled = pool_rows(hidden, pooling, self.classifier_head)
         if sampling_seqs:
             if len(rows) < hidden.shape[0]:  # else every row samples (a decode-only step): no gather, no copy
                 hidden = hidden[torch.tensor(rows).to(self.device, non_blocking=True)]

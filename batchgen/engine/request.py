@@ -8,6 +8,8 @@ from typing import Any
 from .errors import SettingError
 
 MAX_N = 128  # samples per request
+TASKS = ("generate", "embed", "classify", "score")  # EngineArgs.task: what a request returns
+POOLINGS = ("mean", "cls", "last")  # PoolingParams.pooling
 MAX_LOGPROBS = 20  # top alternatives per output token (vLLM's default cap)
 CONSTRAINT_KEYS = ("choice", "regex", "json_schema", "grammar")
 
@@ -131,12 +133,33 @@ class SamplingParams:
 
 
 @dataclass
+class PoolingParams:
+    """A prefill-only request's settings (vLLM's name), for an engine whose task (EngineArgs.task) is embed,
+    classify or score: it runs the prompt once and returns what these ask for instead of generated tokens. The
+    fields of the engine's task apply; the others are ignored."""
+
+    # embed
+    pooling: str | None = None  # mean | cls | last; None: the model's own (its sentence-transformers Pooling
+    # config), else mean for an encoder and last for a decoder
+    normalize: bool | None = None  # L2-normalize the embedding; None: the model's own (a Normalize module), else true
+    dimensions: int | None = None  # keep the first this many dimensions (Matryoshka), before normalizing
+    # embed and classify: a prompt longer than the model's maximum length is cut to it (the end special tokens kept,
+    # as the tokenizer truncates); False makes it an error instead
+    truncate: bool = True
+    # score: the logprob of each token from index score_from on, given those before it (1: a whole text;
+    # the context's length: its continuation)
+    score_from: int = 1
+    token_logprobs: bool = False  # score: return each scored token's logprob, not only their sum
+
+
+@dataclass
 class Request:
     """One prompt to complete. `request_id` is echoed back in its Result."""
 
     request_id: Any
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    pooling_params: PoolingParams | None = None  # an embed/classify/score engine's settings (None: the defaults)
 
 
 @dataclass(kw_only=True)
@@ -162,6 +185,14 @@ class Result:
     choice_logprobs: list[float] | None = None  # with `choice`: each candidate's total logprob (tokens, then EOS)
     logprobs: list[float] | None = None  # with `logprobs`: each output token's logprob
     top_logprobs: list[list[tuple[str, int, float]]] | None = None  # per output token: (text, id, logprob)
+    # What a prefill-only task returns (text and token_ids empty, output_tokens 0):
+    embedding: list[float] | None = None  # embed: the pooled (cut, normalized) vector
+    probs: list[float] | None = None  # classify: per label, in the model's id2label order (softmax, or sigmoid for a
+    # multi-label or one-output head)
+    label: str | None = None  # classify: the most probable label's name
+    score: float | None = None  # classify with a one-output head (a reward model): its raw output
+    prompt_logprobs: list[float] | None = None  # score: the logprob of each scored token, in order
+    num_truncated_tokens: int = 0  # embed/classify: prompt tokens cut to fit the model's maximum length
 
     @classmethod
     def for_error(cls, request_id: Any, message: str, prompt_tokens: int, now: float) -> "Result":

@@ -9,6 +9,7 @@
   the most probable candidate (greedy) or one drawn from the candidates' renormalised distribution, and every
   candidate's probability comes with it. Cost: one prompt prefill, plus 1 + len(candidate) tokens per candidate.
 A one-token prompt has nothing to share: its forks start on their own.
+A prefill-only request (EngineArgs.task embed, classify or score) is a PrefillGroup: one POOL or SCORE sequence.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .request import Request, Result
+from .pooler import LAST, Classifier, ModelPooling, PrefillPrompt, classification, embedding
+from .request import PoolingParams, Request, Result, SamplingParams
 from .sampler import GREEDY_TEMPERATURE, hash_uniforms, _to_signed
 from .sequence import Sequence, SequenceRole, SequenceStatus
 
@@ -188,3 +190,50 @@ class RequestGroup:
         candidates = torch.arange(len(totals)).view(1, -1)
         uniforms = hash_uniforms(seed, torch.zeros(1, dtype=torch.long), candidates)[0].double()
         return int((weights / -torch.log(uniforms)).argmax())
+
+
+class PrefillGroup:
+    """A prefill-only request (EngineArgs.task embed, classify or score): one sequence that computes its prompt and
+    samples nothing, and the Result built from what it kept (pooler.py). Its sampling parameters are ignored."""
+
+    def __init__(self, request: Request, prompt: PrefillPrompt, task: str, params: PoolingParams,
+                 classifier: Classifier | None, defaults: ModelPooling) -> None:
+        self.request_id = request.request_id
+        self.task, self.params, self.classifier, self.defaults = task, params, classifier, defaults
+        self.num_truncated = prompt.num_truncated
+        ids = prompt.token_ids
+        seq = Sequence(request.request_id, list(ids), len(ids), SamplingParams(), 0, time.monotonic(),
+                       role=SequenceRole.SCORE if task == "score" else SequenceRole.POOL)
+        if task == "score":  # positions score_from - 1 .. len - 2 predict the scored tokens; the end is not scored
+            seq.score_from, seq.scores_end = params.score_from - 1, False
+            seq.scores = [0.0] * (len(ids) - params.score_from)
+        else:  # a classification head reads the last token, as transformers' *ForSequenceClassification
+            seq.pooling = LAST if task == "classify" else (params.pooling or defaults.pooling)
+        self.members = [seq]
+
+    @property
+    def first_sequences(self) -> list[Sequence]:
+        return self.members
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.members
+
+    def on_finished(self, seq: Sequence) -> bool:
+        return True
+
+    def results(self, output) -> list[Result]:
+        (seq,) = self.members
+        wall = output.clock.wall
+        if self.task == "score":
+            fields = dict(prompt_logprobs=list(seq.scores))
+        elif self.task == "embed":
+            fields = dict(embedding=embedding(seq, self.params, self.defaults))
+        else:
+            fields = classification(seq.pooled, self.classifier)
+        return [Result(request_id=self.request_id, text="", token_ids=[], finish_reason="stop", error=None,
+                       prompt_tokens=seq.num_prompt_tokens, output_tokens=0,
+                       cached_tokens=max(seq.num_cached_tokens, 0), num_preemptions=seq.num_preemptions,
+                       arrival_time=wall(seq.arrival_time), first_scheduled_time=wall(seq.first_scheduled_time),
+                       first_token_time=wall(seq.finish_time), finish_time=wall(seq.finish_time),
+                       num_truncated_tokens=self.num_truncated, **fields)]

@@ -135,12 +135,15 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, step: StepOutput,
                            stop_reason: Callable[[Sequence, int], str | None]) -> list[Sequence]:
         """After the model ran `out`: computed tokens catch up, each sampled sequence gets its token (and its
-        logprobs), SCORE sequences their scores; those that `stop_reason` stops, and those with nothing left to
-        compute that sample nothing, finish and give back their blocks (which stay cached). A computed PREFIX
-        starts its first wave of forks instead, each finished fork the next one. Returns the finished ones."""
+        logprobs), SCORE sequences their scores, POOL ones what they pool; those that `stop_reason` stops, and
+        those with nothing left to compute that sample nothing, finish and give back their blocks (which stay
+        cached). A computed PREFIX starts its first wave of forks instead, each finished fork the next one. Returns
+        the finished ones."""
         now = time.monotonic()
         for seq, first, values, tops in step.scores:
             seq.record_scores(first, values, tops)
+        for seq, first, vector in step.pooled:
+            seq.record_pooled(first, vector)
         finished = []
         for seq, n in out.num_scheduled_tokens.items():
             seq.num_computed_tokens += n

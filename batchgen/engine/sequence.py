@@ -26,6 +26,7 @@ class SequenceRole(enum.Enum):
     GENERATE = "generate"  # sample a token, append it, go on until a stop rule
     PREFIX = "prefix"  # nothing: a request's shared prompt, computed once, then forked (request_group.py)
     SCORE = "score"  # nothing sampled: its tokens are given, and the logprob of each next one is recorded
+    POOL = "pool"  # nothing sampled: its prompt's final hidden states are pooled (task embed or classify: pooler.py)
 
 
 class BlockIds:
@@ -112,6 +113,11 @@ class Sequence:
     score_from: int = 0
     scores: list[float] | None = None
     score_tops: list[list[tuple[int, float]]] | None = None
+    scores_end: bool = True  # the value of ending after the last token is scored too (`choice`; not task score)
+    # A POOL sequence: "last" or "mean" (pooler.py), and what its steps kept: the last row (or the head's logits of
+    # it), or the sum of the rows so far
+    pooling: str | None = None
+    pooled: Any = None
 
     @classmethod
     def from_request(cls, request: Request, seed: int) -> "Sequence":
@@ -145,7 +151,22 @@ class Sequence:
     @property
     def num_cacheable_tokens(self) -> int:
         """How many leading tokens a prefix-cache hit may cover: all but those whose logits are needed."""
-        return self.score_from if self.role is SequenceRole.SCORE else self.num_tokens - 1
+        if self.role is SequenceRole.SCORE:
+            return self.score_from
+        return 0 if self.pooling == "mean" else self.num_tokens - 1
+
+    @property
+    def score_until(self) -> int:
+        """A SCORE sequence's scored positions are score_from .. this - 1 (the last one: the end's value)."""
+        return self.num_tokens if self.scores_end else self.num_tokens - 1
+
+    def record_pooled(self, first_position: int, vector: Any) -> None:
+        """A POOL sequence's kept vector of a step that computed from first_position on: a mean's rows are summed
+        from position 0 on (a recomputation after a preemption starts over)."""
+        if self.pooling == "mean" and first_position > 0:
+            self.pooled = self.pooled + vector
+        else:
+            self.pooled = vector
 
     def append_logprobs(self, logprob: float, top: list[tuple[int, float]]) -> None:
         self.token_logprobs.append(logprob)

@@ -14,8 +14,8 @@ from batchgen_kernels import BackendChoice, choose_backend, choose_batch_invaria
 from batchgen_kernels.elementwise import get_elementwise
 
 from ..models.inspector import CheckpointHeaders, ModelDescription, describe_model, read_checkpoint_headers
-from ..models.registry import NATIVE, ModelError
-from ..models.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
+from ..models.registry import GENERIC, NATIVE, ModelError, native_architecture, task_refusal
+from ..models.loader import engine_model_dir, eos_token_ids, load_model, load_tokenizer
 from ..models.accounting import num_parameters, weight_bytes
 from ..models.moe import SparseMoeBlock
 from ..models.packed_linear import PackedLinear, packing_supported
@@ -52,6 +52,7 @@ class EngineSetup:
     weights_bytes: int  # what the model holds: parameters, buffers and packed or int8 weights
     eos_token_ids: list[int]
     runner: ModelRunner
+    model_dir: Any = None  # the resolved model directory (a pooled model's sentence-transformers files: pooler.py)
 
     @property
     def device(self) -> torch.device:
@@ -83,13 +84,14 @@ def set_up(args: EngineArgs) -> EngineSetup:
     device, dtype = target.device, target.dtype
     attention = choose_attention(args.attention_backend, device, args.batch_invariant)  # before the weights load
     args = dataclasses.replace(args, attention_backend=attention.name)  # from here on, the kernels chosen
-    model_dir = resolve_model(args.model)
+    model_dir = engine_model_dir(args.model, args.task)
     checkpoint = read_headers(model_dir)
     # Started before transformers is imported (the config's reading does): its faulting overlaps that and the
     # tokenizer's loading.
     heap = prefaulted_heap(checkpoint, device, dtype.dtype, args.quantization)
     try:
         description = inspect_model(model_dir, checkpoint, args.model_impl)  # None: load_model says what is wrong with it
+        check_task(args, model_dir, checkpoint, description)
         if description is not None:  # before anything loads: a shape the kernels cannot compile is one clear error
             check_attention_shape(args, device, dtype.dtype, description)
         tokenizer = load_tokenizer(model_dir)  # while the heap is faulted in: host_malloc.py
@@ -149,10 +151,29 @@ def set_up(args: EngineArgs) -> EngineSetup:
         compile_attention_kernels(model, max_model_len)  # no step of the run compiles a kernel
     # The generic path's transformers code may sync with the host inside a step (an MoE's routing by expert, say),
     # which a CUDA graph cannot capture: its decode steps run eagerly.
-    if device.type == "cuda" and not args.enforce_eager and plan.model.path == NATIVE:
+    if device.type == "cuda" and not args.enforce_eager and plan.model.path == NATIVE and args.task == "generate":
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention,
                                                      bool(plan.kv_layout.local_layers))
-    return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model), eos, runner)
+    return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model), eos, runner, model_dir)
+
+
+def check_task(args: EngineArgs, model_dir, checkpoint: CheckpointHeaders | None,
+               description: ModelDescription | None) -> None:
+    """SettingError naming `task` where the model has no head for it (classify without a `score` head, generate or
+    score on a classifier or a base model), or its path cannot load one (the generic path: causal LMs only)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # load_model says what is wrong with it
+    if description is not None:
+        path = description.path
+    else:
+        path = NATIVE if native_architecture(config) is not None and args.model_impl != "transformers" else GENERIC
+    why = task_refusal(args.task, config, None if checkpoint is None else checkpoint.entries, path)
+    if why is not None:
+        raise SettingError("task", why)
 
 
 def read_headers(model_dir) -> CheckpointHeaders | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .sequence import Sequence
 
@@ -16,3 +17,5 @@ class StepOutput:
     logprobs: list[tuple[float, TopLogprobs] | None] = field(default_factory=list)
     # SCORE sequences: (sequence, first position, logprob of the token after each position, their top alternatives)
     scores: list[tuple[Sequence, int, list[float], list[TopLogprobs] | None]] = field(default_factory=list)
+    # POOL sequences: (sequence, first position computed, what the step kept of it: pooler.pool_rows)
+    pooled: list[tuple[Sequence, int, Any]] = field(default_factory=list)

@@ -9,13 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import string
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-
-import pyarrow as pa
 
 from batchgen.engine.engine_args import EngineArgs
 from batchgen.engine.errors import SettingError
@@ -31,6 +28,8 @@ from .keys import JobConfigError, check_bounded, keys_of, plain, read_keys
 from .executor_config import ExecutorConfig
 from .section_checks import check_executor, check_storage
 from .output.column_names import OUTPUT_COLUMNS, ROW_COLUMN
+from .prompt_template import template_columns
+from .task_config import GENERATE, TASK_SECTIONS, check_task_sections, task_keys
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "se
                      "presence_penalty", "frequency_penalty") + CONSTRAINT_KEYS
 
 # EngineArgs fields that the job file has as top-level keys rather than under `engine:`.
-TOP_LEVEL_KEYS = ("model", "dtype", "device")
+TOP_LEVEL_KEYS = ("model", "task", "dtype", "device")
 
 # The job's sampling defaults where they differ from SamplingParams' (vLLM's 16 tokens at temperature 1.0):
 # a batch job wants reproducible, greedy output of a useful length.
@@ -119,13 +118,26 @@ class JobConfig:
     input: InputConfig
     output: OutputConfig
     sampling: SamplingConfig
-    engine: EngineArgs  # validated; holds the job's top-level model, dtype and device too (do not mutate)
+    engine: EngineArgs  # validated; holds the job's top-level model, task, dtype and device too (do not mutate)
     executor: ExecutorConfig = ExecutorConfig()
     storage: StorageConfig = StorageConfig()
+    # the prefill-only tasks' sections (task_config.py); the job's task reads its own
+    embed: TASK_SECTIONS["embed"] = TASK_SECTIONS["embed"]()
+    classify: TASK_SECTIONS["classify"] = TASK_SECTIONS["classify"]()
+    score: TASK_SECTIONS["score"] = TASK_SECTIONS["score"]()
 
     @property
     def model(self) -> str:
         return self.engine.model
+
+    @property
+    def task(self) -> str:
+        return self.engine.task
+
+    @property
+    def task_section(self):
+        """The section of the job's task (embed, classify or score); None for generate."""
+        return None if self.task == GENERATE else getattr(self, self.task)
 
     @property
     def dtype(self) -> str:
@@ -137,11 +149,14 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The job file's keys with plain JSON-able values (tuples become lists), as _SUCCESS and the report show
-        them: the keys that may hold a URL (and so a credential: http://user:password@host) redacted."""
+        them: the keys that may hold a URL (and so a credential: http://user:password@host) redacted. A generate
+        job has `sampling`, another task its own section instead."""
         engine = dataclasses.asdict(self.engine)
         top = {key: engine.pop(key) for key in TOP_LEVEL_KEYS}
+        task = {"sampling": dataclasses.asdict(self.sampling)} if self.task_section is None else \
+            {self.task: dataclasses.asdict(self.task_section)}
         found = plain({"input": dataclasses.asdict(self.input), "output": dataclasses.asdict(self.output), **top,
-                       "sampling": dataclasses.asdict(self.sampling), "engine": engine,
+                       **task, "engine": engine,
                        "executor": dataclasses.asdict(self.executor), "storage": dataclasses.asdict(self.storage)})
         for keys, key in ((found["input"], "path"), (found["output"], "path"), (found["storage"], "endpoint_url"),
                           (found["executor"], "address"), (found, "model")):
@@ -158,6 +173,7 @@ JOB_KEYS = {
     "input": (InputConfig, True),
     "output": (OutputConfig, True),
     "model": (str, False),
+    **task_keys(),  # task, and the embed, classify and score sections
     "dtype": (Literal["auto", "float32", "bfloat16", "float16"], False),
     "device": (Literal["auto", "cpu", "cuda"], False),
     "sampling": (SAMPLING_KEYS, False),
@@ -183,6 +199,12 @@ def parse_job(raw: dict[str, Any], base_dir: Path | None = None) -> JobConfig:
     engine = values.pop("engine")
     explicit_sort = "sort" in (raw.get("input") or {})
     source = _input_with_sort(values.pop("input"), engine.pop("sort", None), explicit_sort)
+    task = values.get("task", GENERATE)
+    check_task_sections(task, raw, values)
+    if task != GENERATE and "chat_template" not in (raw.get("input") or {}):  # a text to embed, classify or score
+        source = dataclasses.replace(source, chat_template=False)             # is the text itself by default
+    if task in ("embed", "classify") and not explicit_sort and "sort" not in (raw.get("engine") or {}):
+        source = dataclasses.replace(source, sort="length")  # rows of like length batch together: less padding
     engine_args = EngineArgs(**{key: values.pop(key) for key in TOP_LEVEL_KEYS if key in values}, **engine)
     if source.format == "openai-batch":  # each request's own id, and its endpoint kept for its response's form
         source = dataclasses.replace(source, id_column=source.id_column or "custom_id")
@@ -248,7 +270,7 @@ def _sampling(values: dict[str, Any], base_dir: Path | None) -> SamplingConfig:
 def _check(config: JobConfig) -> None:
     if not config.model.strip():
         raise JobConfigError("model: must not be empty")
-    _check_input(config.input)
+    _check_input(config.input, config.task)
     _validate(config.engine, "engine")
     _validate(config.sampling.params(), "sampling")
     _check_output(config.output)
@@ -274,7 +296,7 @@ def setting_error(exc: SettingError, section: str) -> JobConfigError:
     return JobConfigError(message if message.startswith(f"{key}:") else f"{key}: {message}")
 
 
-def _check_input(cfg: InputConfig) -> None:
+def _check_input(cfg: InputConfig, task: str = GENERATE) -> None:
     if not cfg.path.strip():
         raise JobConfigError("input.path: must not be empty")
     for name in ("id_column", "prompt_column", "messages_column", "system_column"):
@@ -293,8 +315,8 @@ def _check_input(cfg: InputConfig) -> None:
                 raise JobConfigError(f"input.{name}: needs input.chat_template: true")
     if cfg.template is not None:
         template_columns(cfg.template)  # raises on a malformed template
-    if cfg.format == "openai-batch" and (cfg.messages_column or cfg.template is not None or not cfg.chat_template
-                                        or cfg.prompt_column != "prompt" or cfg.id_column != "custom_id"):
+    if cfg.format == "openai-batch" and (cfg.messages_column or cfg.template is not None
+                                        or (not cfg.chat_template and task == GENERATE) or cfg.prompt_column != "prompt" or cfg.id_column != "custom_id"):
         raise JobConfigError("input.format: openai-batch reads each request's own prompt and custom_id; leave out "
                              "input.messages_column, template, prompt_column, id_column and chat_template: false")
     if cfg.sort_window < 1:
@@ -315,58 +337,6 @@ def _check_chat_template(text: str) -> None:
     except jinja2.TemplateSyntaxError as exc:
         raise JobConfigError(f"input.chat_template: not a valid Jinja template: {exc.message} (line {exc.lineno})") \
             from None
-
-
-def template_columns(template: str) -> list[str]:
-    """The column names a template like "Summarize:\\n{text}" reads, in order of first use."""
-    return list(dict.fromkeys(column for column, _ in template_fields(template)))
-
-
-def template_fields(template: str) -> list[tuple[str, str]]:
-    """(column, format spec) of each field of a template. A field is a column name with an optional format spec
-    ({text}, {score:.2f}): indexing, attributes and conversions would raise on one row's value, or expose Python
-    objects, so they are refused here."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise JobConfigError(f"input.template: {exc} (write literal braces as {{{{ and }}}})") from None
-    fields = []
-    for _, name, spec, conversion in parsed:
-        if name is None:
-            continue
-        if not name or name.isdigit():
-            raise JobConfigError("input.template: name a column inside each pair of braces, e.g. {text}")
-        if conversion or "{" in spec or any(mark in name for mark in ".["):
-            written = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
-            raise JobConfigError(f"input.template: {written} is not allowed; a field is a column name with an "
-                                 f"optional format spec, e.g. {{text}} or {{score:.2f}} (no indexing, attributes, "
-                                 f"conversions or nested fields)")
-        fields.append((name, spec))
-    if not fields:
-        raise JobConfigError("input.template: reads no column; name one in braces, e.g. {text}")
-    return fields
-
-
-def check_template_specs(template: str, types: dict[str, pa.DataType]) -> None:
-    """A format spec must suit its column's type: {name:.2f} over a string column would fail on every row."""
-    for column, spec in template_fields(template):
-        sample = _sample_value(types[column])
-        if not spec or sample is None:
-            continue
-        try:
-            format(sample, spec)
-        except (ValueError, TypeError) as exc:
-            raise JobConfigError(f"input.template: {{{column}:{spec}}} does not suit column {column!r} "
-                                 f"({types[column]}): {exc}") from None
-
-
-def _sample_value(arrow_type: pa.DataType) -> Any:
-    """A value of the Python type that column values of `arrow_type` take, or None when not checked."""
-    for is_type, sample in ((pa.types.is_boolean, False), (pa.types.is_integer, 0), (pa.types.is_floating, 0.0),
-                            (pa.types.is_string, ""), (pa.types.is_large_string, "")):
-        if is_type(arrow_type):
-            return sample
-    return None  # other types: a spec that does not suit a value fails that row
 
 
 def _check_output(cfg: OutputConfig) -> None:

@@ -73,6 +73,9 @@ class PreparedJob:
 def output_options(config: JobConfig, input_columns: Container[str]) -> OutputOptions:
     """What decides the job's conditional output columns (schema.py): its sampling and output keys, and which
     per-row sampling columns its input has."""
+    if config.task_section is not None:  # a prefill-only task: its own columns, none of generation's
+        return OutputOptions(task=config.task, token_logprobs=getattr(config.task_section, "token_logprobs", False),
+                             replica=config.executor.kind == "ray")
     sampling = config.sampling
     return OutputOptions(samples=sampling.n > 1 or "n" in input_columns,
                          choice=bool(sampling.choice) or "choice" in input_columns,
@@ -132,7 +135,9 @@ def check_model(ref: str, no_download_because: str | None = None, chat_template:
     """Where the model is, checked cheaply (no loading, no conversion), and that it has a chat template when the
     job uses the model's own (`chat_template`): what identifies it in the fingerprint (loader.model_id: a hub id
     pinned to its commit; a model in object storage: its cache entry, whose name pins its objects' ETags)."""
-    from batchgen.models.loader import ModelError, has_chat_template, locate_model, model_id
+    from batchgen.models.encoder_support import is_encoder_model
+    from batchgen.models.loader import (ModelError, check_model_files, find_model, has_chat_template, locate_model,
+                                        model_id)
 
     try:
         if is_remote(ref):
@@ -142,7 +147,11 @@ def check_model(ref: str, no_download_because: str | None = None, chat_template:
             from batchgen.models.object_model import fetch_model
             with bucket_must_exist("model", ref):
                 ref = str(fetch_model(ref, storage))  # downloaded once into the cache, then the directory it is
-        path = locate_model(ref, no_download_because)
+        path = find_model(ref, no_download_because)
+        if path.is_dir() and is_encoder_model(path):  # the encoder engine's (BERT family): its files are checked;
+            check_model_files(path)                    # locate_model's architecture check is a decoder's
+        else:
+            path = locate_model(ref, no_download_because)
         templated = has_chat_template(path) if chat_template else False
         identity = model_id(ref, path)
     except ModelError as exc:
@@ -190,7 +199,10 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles,
         "dtype": (target or engine_target(config)).dtype.name,
         "input": {key: getattr(config.input, key) for key in PROMPT_KEYS},
         "files": input_files(inputs),
-        "sampling": config.to_dict()["sampling"],
+        # what a row's result is made by: generate's sampling, or another task and its section (absent for generate,
+        # so that outputs written before `task` existed still resume)
+        **({"sampling": config.to_dict()["sampling"]} if config.task_section is None else
+           {"task": config.task, config.task: config.to_dict()[config.task]}),
         "keep_columns": list(config.output.keep_columns),
         # int8 weights change the results; absent when off, so outputs written before the setting still resume
         **({"quantization": config.engine.quantization} if config.engine.quantization else {}),

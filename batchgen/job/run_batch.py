@@ -3,13 +3,19 @@ job. The job reads the OpenAI Batch file (input.format: openai-batch) and writes
 (output.format: openai-batch) into a work directory beside the results, `results.jsonl.batchgen/`, with every
 guarantee of `batchgen run` (its ledger: the same command resumes a killed run; its `_report.html`); once it is
 finished, its parts are joined into `-o` (requests answered) and `results.errors.jsonl` (requests that failed, as
-OpenAI writes an error file), each written whole or not at all."""
+OpenAI writes an error file), each written whole or not at all.
+
+The job's task follows the batch's endpoint, that of its first request (openai_batch.first_endpoint, as staging
+reads it): `/v1/embeddings` runs `task: embed`, the others generate. A request for another endpoint than the
+batch's is that request's error in the errors file, as OpenAI's Batch API takes one endpoint a batch."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+from .input.openai_batch import EMBEDDINGS, first_endpoint
 from .keys import JobConfigError
 from .output.parts import FINAL_PART
 
@@ -17,13 +23,50 @@ WORK_SUFFIX = ".batchgen"
 # As OpenAI's and vLLM's endpoints: a request without a temperature samples at 1.0, and one without max_tokens
 # generates until it stops or the context ends (batchgen's jobs default to 0 and 256).
 RUN_BATCH_SAMPLING = {"temperature": 1.0, "max_tokens": None}
+# An embeddings request's own keys its response needs, kept beside `url` from the staged input (openai_batch.py)
+EMBEDDING_KEEP_COLUMNS = ["encoding_format", "dimensions"]
 
 
 def batch_job(requests: str, results: str, model: str) -> dict[str, Any]:
     """The raw job of a run-batch command (--set overrides apply to it like to a job file)."""
-    return {"model": model, "input": {"path": requests, "format": "openai-batch"},
-            "sampling": dict(RUN_BATCH_SAMPLING),
-            "output": {"path": work_dir(results), "format": "openai-batch"}}
+    output = {"path": work_dir(results), "format": "openai-batch"}
+    job: dict[str, Any] = {"model": model, "input": {"path": requests, "format": "openai-batch"}}
+    if batch_endpoint(requests) == EMBEDDINGS:
+        return job | {"task": "embed", "output": output | {"keep_columns": list(EMBEDDING_KEEP_COLUMNS)}}
+    return job | {"sampling": dict(RUN_BATCH_SAMPLING), "output": output}
+
+
+def batch_endpoint(requests: str) -> str | None:
+    """The endpoint of the request file's first request batchgen serves; None where there is none or the file
+    cannot be read here (the job then reads it, and says why)."""
+    try:
+        return first_endpoint(_requests(requests))
+    except Exception:  # unreadable here (a store's credentials, a damaged file): the job reads it and says why
+        return None
+
+
+def _requests(requests: str) -> Iterator[Any]:
+    from batchgen.object_store import StorageConfig, is_remote, list_input
+
+    from .input.text_lines import numbered_lines
+
+    names = (".jsonl", ".jsonl.gz")  # an input folder's request files, first in sorted order as the job reads them
+    if is_remote(requests):
+        found = list_input(requests, StorageConfig(), names=names)
+        source: Any = found[0] if found else None
+    else:
+        path = Path(requests).expanduser()
+        found = sorted(p for p in path.rglob("*") if p.name.lower().endswith(names) and not any(
+            part.startswith((".", "_")) for part in p.relative_to(path).parts)) if path.is_dir() else [path]
+        source = found[0] if found else None
+    if source is None:
+        return
+    for line in numbered_lines(source):
+        if line.text.strip():
+            try:
+                yield json.loads(line.text)
+            except ValueError:
+                yield None
 
 
 def work_dir(results: str) -> str:

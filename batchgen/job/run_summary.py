@@ -10,8 +10,9 @@ def summary_table(s: dict, path: str) -> str:
     samples = f"; {s['output_rows']:,} output rows (samples)" if s.get("output_rows", s["rows"]) != s["rows"] else ""
     lines = [
         ("rows", f"{s['rows']:,}{resumed}: {s['rows_ok']:,} ok, {s['rows_error']:,} error{samples}"),
+        ("task", task_line(s)),
         ("prompt tokens", prompt_tokens_line(s)),
-        ("output tokens", output_tokens_line(s)),
+        *([("output tokens", output_tokens_line(s))] if s.get("task", "generate") == "generate" else []),
         ("wall time", f"{s['wall_s']:.1f} s"),
         *([("kernel build", kernel_build_line(s))] if s.get("kernel_build_s") else []),
         ("preemptions", f"{s['preemptions']:,}"),
@@ -23,6 +24,28 @@ def summary_table(s: dict, path: str) -> str:
     ]
     width = max(len(name) for name, _ in lines)
     return "\n".join(["batchgen: done"] + [f"  {name:<{width}}  {value}" for name, value in lines])
+
+
+def task_line(s: dict) -> str:
+    """The task, and what its rows hold: generate's rate is on the output tokens line."""
+    task = s.get("task", "generate")
+    rate = f"{s['rows_this_run'] / s['generation_s']:,.1f} rows/s" if s.get("generation_s") else None
+    if task == "embed":
+        what = f"embeddings of {s.get('embedding_dimensions') or '?'} dimensions; " \
+               f"{rows(s.get('truncated_rows', 0))} truncated to the model's maximum length"
+    elif task == "classify":
+        labels = s.get("labels") or []
+        shown = ", ".join(labels[:8]) + (f", ... ({len(labels)} in all)" if len(labels) > 8 else "")
+        what = f"labels {shown}; {rows(s.get('truncated_rows', 0))} truncated to the model's maximum length"
+    elif task == "score":
+        what = f"{s.get('scored_tokens', 0):,} tokens scored"
+    else:
+        return "generate"
+    return f"{task}: {what}" + (f" ({rate} over this run's {s['generation_s']:,.1f} s)" if rate else "")
+
+
+def rows(n: int) -> str:
+    return f"{n:,} row{'' if n == 1 else 's'}"
 
 
 def model_path_line(stats: dict) -> str:
@@ -50,6 +73,8 @@ def memory_lines(s: dict) -> list[tuple[str, str]]:
     peak, bound, e = s["peak_memory_bytes"], s.get("memory_bound_bytes"), s.get("engine_stats") or {}
     if not bound:
         return [("peak memory", _mib(peak))]
+    if not e.get("kv_pool_bytes"):  # an encoder keeps no KV cache
+        return [("peak memory", f"{_mib(peak)} (bound {_mib(bound)}: weights {_mib(e['weights_bytes'])} + 1 GiB)")]
     return [("peak memory", f"{_mib(peak)} (bound {_mib(bound)}: weights {_mib(e['weights_bytes'])} + KV used "
                             f"{_mib(e['kv_bytes_touched'])} + 1 GiB)"),
             ("KV pool", f"{_mib(e['kv_pool_bytes'])} from {e['kv_pool_reason']}; at most "

@@ -142,7 +142,8 @@ def execute_job(job: PreparedJob, on_progress: Callable[[Progress], None] | None
 
         try:
             if progress.rows_done < progress.rows_total:
-                row_keys = [key for key in ROW_SAMPLING_KEYS if key in job.inputs.column_types]
+                row_keys = [key for key in ROW_SAMPLING_KEYS if key in job.inputs.column_types] \
+                    if config.task == "generate" else []  # the other tasks read no sampling columns
                 if row_keys:  # a column named `n` or `choice` is easily someone's data: say what it does here
                     log.info("input columns that set sampling per row: %s", ", ".join(row_keys))
                 built = kernel_build_seconds()
@@ -231,6 +232,8 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
         "peak_memory_bytes": peak,
         "memory_bound_bytes": memory_bound(engine_stats),
         "model": job.fingerprint["model"],  # as the fingerprint pins it: a hub id with its commit
+        "task": job.config.task,
+        **task_summary(job, totals),
         "dtype": engine_stats["dtype"] if target is None else target.dtype.name,
         "dtype_reason": engine_stats["dtype_reason"] if target is None else target.dtype.reason,
         "started_at": started_at.isoformat(),
@@ -246,6 +249,29 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
     if run.replicas is not None:  # a Ray run: what each replica did (its rows, tokens, wall time and engine)
         summary["replicas"] = run.replicas
     return summary
+
+
+def task_summary(job: PreparedJob, totals: RowTotals) -> dict:
+    """What a prefill-only task's _SUCCESS adds: embed the embedding's dimension and the rows truncated, classify the
+    model's labels in their order (the `probs` columns' order), score the tokens scored over all rows."""
+    task = job.config.task
+    if task == "embed":
+        return {"embedding_dimensions": totals.embedding_dimensions, "truncated_rows": totals.truncated_rows}
+    if task == "classify":
+        return {"labels": model_labels(job.model), "truncated_rows": totals.truncated_rows}
+    if task == "score":
+        return {"scored_tokens": totals.scored_tokens}
+    return {}
+
+
+def model_labels(model: str) -> list[str]:
+    """A classifier's labels in id order, as transformers reads them from its config (LABEL_0, ... by default)."""
+    from transformers import AutoConfig
+
+    from batchgen.models.loader import engine_model_dir
+
+    id2label = AutoConfig.from_pretrained(str(engine_model_dir(model, "classify"))).id2label
+    return [id2label[i] for i in sorted(id2label)]
 
 
 def prompt_tokens_line(summary: dict) -> str:

@@ -125,6 +125,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.rotary_emb_local = RotaryEmbedding(inv_freq_of(ropes[SLIDING], self.head_dim),
                                                 config.max_position_embeddings)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.add_classifier(config)
         self.ops = TorchElementwise  # only its rope_qk: Gemma's norms and gate have numerics of their own
         self.tie_weights()
 

@@ -30,6 +30,7 @@ class LlamaVariant:
     qk_norm_whole: bool = False  # OLMoE: the q and k norms span the whole projection, not each head
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv after the norms
     tie_word_embeddings: bool = False
+    num_labels: int = 0  # a *ForSequenceClassification checkpoint: its `score` head's outputs (0: none)
 
 
 class RMSNorm(nn.Module):
@@ -216,6 +217,12 @@ class CausalLM(nn.Module):
     gemma3.py's): a subclass sets `variant`, `num_layers`, `model` (`embed_tokens`, `layers[i].self_attn.attn`),
     `lm_head` and `ops`, and defines forward and compute_logits."""
 
+    def add_classifier(self, config) -> None:
+        """A sequence-classification checkpoint's head (`score`: hidden -> num_labels, no bias), read by
+        engine/pooler.py on the last token's final hidden state."""
+        if self.variant.num_labels:
+            self.score = nn.Linear(config.hidden_size, self.variant.num_labels, bias=False)
+
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the variant says so (call after loading)."""
         if self.variant.tie_word_embeddings:
@@ -273,6 +280,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, variant, self.head_dim, self.num_kv_heads, self.layer_mlp)
         self.rotary_emb = RotaryEmbedding(rope_inv_freq(config, self.head_dim), config.max_position_embeddings)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.add_classifier(config)
         self.ops = TorchElementwise  # see use_elementwise
         self.tie_weights()
 

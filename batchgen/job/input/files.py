@@ -17,7 +17,8 @@ from batchgen.object_store import (ObjectNotFound, RemoteFile, StorageConfig, gl
                                    obstore_missing)
 from batchgen.user_files import UserFileError, check_regular_file
 
-from ..config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError, check_template_specs, template_columns
+from ..config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError
+from ..prompt_template import check_template_specs, template_columns
 from .custom_ids import DuplicateCustomId, check_unique_custom_ids
 from .parquet_read import InputFile, InputReadError, first_line, open_parquet, scan_file
 from .text_formats import INPUT_ERROR_COLUMN, SUFFIXES, InputFormatError, format_of, stage, suffixes, sweep_staged
@@ -248,7 +249,8 @@ def check_footers(config: JobConfig, files: list[InputFile], partitions: tuple[d
                 raise JobConfigError(f"{key}: column {column!r} not found in {path} "
                                      f"(columns: {', '.join(schema.names)})")
         check_prompt_column_types(config, schema, path)
-        check_row_sampling_types(schema, path)
+        if config.task == "generate":  # the other tasks read no per-row sampling columns
+            check_row_sampling_types(schema, path)
         for fld in schema:
             known = types.get(fld.name)
             if known is None or pa.types.is_null(known):
@@ -264,7 +266,9 @@ def check_prompt_column_types(config: JobConfig, schema: pa.Schema, path: InputF
     any other type would fail every row, after the model loaded. An all-null column is let through: its rows
     are row errors."""
     cfg = config.input
-    checks = [("input.system_column", cfg.system_column, _is_text, "strings")]
+    checks = [("input.system_column", cfg.system_column, _is_text, "strings"),
+              ("score.continuation_column", getattr(config.task_section, "continuation_column", None), _is_text,
+               "strings")]
     if cfg.messages_column:
         checks.append(("input.messages_column", cfg.messages_column, _is_messages,
                        "a list of structs with string fields role and content"))
@@ -356,8 +360,8 @@ def required_columns(config: JobConfig) -> list[tuple[str, str]]:
     """(job key, column) for every column the job needs in every input file."""
     cfg = config.input
     needed = []
-    if cfg.format == "openai-batch":  # a chat request's messages or a completion's prompt (openai_batch.py)
-        needed += [("input.format", "messages"), ("input.format", "prompt")]
+    if cfg.format == "openai-batch":  # a chat request's messages, a completion's prompt, an embedding's token ids
+        needed += [("input.format", "messages"), ("input.format", "prompt"), ("input.format", "prompt_token_ids")]
     elif cfg.messages_column:
         needed.append(("input.messages_column", cfg.messages_column))
     elif cfg.template is not None:
@@ -368,6 +372,8 @@ def required_columns(config: JobConfig) -> list[tuple[str, str]]:
         needed.append(("input.system_column", cfg.system_column))
     if cfg.id_column:
         needed.append(("input.id_column", cfg.id_column))
+    if getattr(config.task_section, "continuation_column", None):
+        needed.append(("score.continuation_column", config.task_section.continuation_column))
     needed += [("output.keep_columns", column) for column in config.output.keep_columns]
     return needed
 
@@ -375,5 +381,6 @@ def required_columns(config: JobConfig) -> list[tuple[str, str]]:
 def read_columns(config: JobConfig, column_types: dict[str, pa.DataType]) -> list[str]:
     """Every column the source reads: the required ones and any per-row sampling overrides."""
     columns = [column for _, column in required_columns(config)]
-    columns += [key for key in (*ROW_SAMPLING_KEYS, INPUT_ERROR_COLUMN) if key in column_types]
+    row_keys = ROW_SAMPLING_KEYS if config.task == "generate" else ()
+    columns += [key for key in (*row_keys, INPUT_ERROR_COLUMN) if key in column_types]
     return list(dict.fromkeys(columns))

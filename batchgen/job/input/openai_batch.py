@@ -1,28 +1,33 @@
 """OpenAI Batch request files (`input.format: openai-batch`): each line a request {custom_id, method, url, body}, as
 OpenAI's Batch API and `vllm run-batch` take them, mapped onto a batchgen row: the prompt (chat `messages`, or a
-completion's `prompt`) and the per-row sampling columns.
+completion's `prompt`, an embedding's `input`) and the per-row sampling columns.
 
-A batch serves one endpoint, as OpenAI's does: `/v1/chat/completions` or `/v1/completions`, the one its first
-request names. A request batchgen cannot serve as asked (another endpoint, e.g. `/v1/embeddings`; a body key it does
-not support with a value other than the default; a malformed body) is that request's error, not the job's.
+A batch serves one endpoint, as OpenAI's does: `/v1/chat/completions`, `/v1/completions` or `/v1/embeddings`, the
+one its first request names (`first_endpoint`: run-batch picks the job's task by it, embed for embeddings). A request
+batchgen cannot serve as asked (another endpoint; a body key it does not support with a value other than the
+default; a malformed body) is that request's error, not the job's. An embeddings request embeds one input, a string
+or a list of token ids: a list of several strings is that request's error (one line, one row, one response).
 The body's `model` is not checked: the job's model answers every request, and the output names it."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterable
 
 import pyarrow as pa
 
 from .staged_columns import INPUT_ERROR_COLUMN, MESSAGES_TYPE
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+ENCODING_FORMATS = ("float", "base64")
 # The staged file's columns: fixed, whatever the requests hold
 SCHEMA = pa.schema([("custom_id", pa.string()), ("url", pa.string()), ("model", pa.string()),
                     ("messages", MESSAGES_TYPE), ("prompt", pa.string()), ("max_tokens", pa.int64()),
                     ("temperature", pa.float64()), ("top_p", pa.float64()), ("seed", pa.int64()),
                     ("n", pa.int64()), ("stop", pa.list_(pa.string())), ("logprobs", pa.int64()),
                     ("presence_penalty", pa.float64()), ("frequency_penalty", pa.float64()),
-                    ("json_schema", pa.string()), (INPUT_ERROR_COLUMN, pa.string())])
+                    ("json_schema", pa.string()), ("prompt_token_ids", pa.list_(pa.int64())),
+                    ("encoding_format", pa.string()), ("dimensions", pa.int64()), (INPUT_ERROR_COLUMN, pa.string())])
 NUMBERS = {"temperature": "temperature", "top_p": "top_p", "presence_penalty": "presence_penalty",
            "frequency_penalty": "frequency_penalty"}
 INTEGERS = {"seed": "seed", "n": "n"}
@@ -58,19 +63,30 @@ class BatchEndpoint:
             url, body = request.get("url"), request.get("body")
             if request.get("method", "POST") != "POST":
                 raise Unsupported(f"method must be POST, got {request.get('method')!r}")
-            if url not in (CHAT, COMPLETIONS):
-                raise Unsupported(f"batchgen serves {CHAT} and {COMPLETIONS}, not {url!r}")
+            if url not in ENDPOINTS:
+                raise Unsupported(f"batchgen serves {CHAT}, {COMPLETIONS} and {EMBEDDINGS}, not {url!r}")
             self.url = self.url or url
             if url != self.url:
-                raise Unsupported(f"this batch's endpoint is {self.url} (its first request's); a batch serves one "
-                                  f"endpoint, as OpenAI's Batch API does")
+                raise Unsupported(f"this batch's endpoint is {self.url} (its first request's), not {url!r}; a batch "
+                                  f"serves one endpoint, as OpenAI's Batch API does")
             if not isinstance(body, dict):
                 raise Unsupported("body must be a JSON object")
-            row.update(body_values(body, url))
+            row.update(embedding_values(body) if url == EMBEDDINGS else body_values(body, url))
         except Unsupported as exc:
             where = f"line {line}: " if line is not None else ""
             return {"custom_id": row["custom_id"], "url": row["url"], INPUT_ERROR_COLUMN: f"{where}{exc}"}
         return row
+
+
+def first_endpoint(requests: Iterable[Any]) -> str | None:
+    """The batch's endpoint as staging finds it: that of the first request served (None: no request is)."""
+    endpoint = BatchEndpoint()
+    for request in requests:
+        if isinstance(request, dict):
+            endpoint.row(request)
+            if endpoint.url is not None:
+                return endpoint.url
+    return None
 
 
 def custom_id_text(value: Any) -> str | None:
@@ -119,6 +135,41 @@ def body_values(body: dict[str, Any], url: str) -> dict[str, Any]:
         values["stop"] = stop
     values["logprobs"] = _logprobs(body, url)
     values["json_schema"] = _response_format(body.get("response_format"))
+    return values
+
+
+def embedding_values(body: dict[str, Any]) -> dict[str, Any]:
+    """An embeddings request: {model, input, encoding_format?, dimensions?, user?} (OpenAI's body)."""
+    known = ("input", "encoding_format", "dimensions", *IGNORED)
+    unknown = sorted(key for key in body if key not in known)
+    if unknown:
+        raise Unsupported(f"body key {unknown[0]!r} is not supported")
+    values: dict[str, Any] = {"model": body.get("model") if isinstance(body.get("model"), str) else None}
+    text = body.get("input")
+    if isinstance(text, list) and len(text) == 1 and isinstance(text[0], (str, list)):
+        text = text[0]  # a list of one input: that input
+    if isinstance(text, str):
+        if not text:
+            raise Unsupported("input must not be empty")
+        values["prompt"] = text
+    elif isinstance(text, list) and text and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
+        if any(t < 0 for t in text):
+            raise Unsupported("input's token ids must be non-negative")
+        values["prompt_token_ids"] = text
+    elif isinstance(text, list) and len(text) > 1 and all(isinstance(t, (str, list)) for t in text):
+        raise Unsupported(f"input holds {len(text)} inputs; batchgen embeds one input per request line (a string or "
+                          f"a list of token ids): write one line per input")
+    else:
+        raise Unsupported("input must be a non-empty string or a non-empty list of token ids")
+    encoding = body.get("encoding_format")
+    if encoding is not None:
+        if encoding not in ENCODING_FORMATS:
+            raise Unsupported(f"encoding_format must be float or base64, got {encoding!r}")
+        values["encoding_format"] = encoding
+    if body.get("dimensions") is not None:
+        values["dimensions"] = _number(body["dimensions"], "dimensions", int)
+        if values["dimensions"] < 1:
+            raise Unsupported("dimensions must be at least 1")
     return values
 
 

@@ -6,17 +6,20 @@ A row whose prompt or per-row values are unusable comes out as a SourceRow with 
 it never reaches the engine."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import string
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Protocol
 
 from batchgen.engine.request import CONSTRAINT_KEYS, SamplingParams
 
 from ..config import ROW_INTEGER_KEYS, ROW_SAMPLING_KEYS, JobConfig
+from ..task_config import GENERATE, pooling_params
 from .files import InputFiles, read_columns, required_columns
 from .parquet_read import Unreadable, batch_values, file_batches, file_range
 from .parquet_read import first_line as _first_line
+from .rows import RowError, SourceRow
+from .score_split import ScoreSplit
 from .special_tokens import PromptEncoder, PromptText, SpecialTokenError
 from .text_formats import INPUT_ERROR_COLUMN
 
@@ -30,21 +33,6 @@ class Tokenizer(Protocol):
                  split_special_tokens: bool = False) -> Any: ...  # -> {"input_ids": [[int]]}
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> str: ...
-
-
-@dataclass(slots=True)
-class SourceRow:
-    row: int  # position in the input, across files in sorted file order
-    id: Any
-    keep: tuple  # values of output.keep_columns
-    token_ids: list[int] | None  # None when the row is an error
-    sampling: SamplingParams | None
-    error: str | None = None
-    prompt_tokens: int = 0
-
-
-class RowError(ValueError):
-    """Why one row cannot be generated; becomes that row's `error`."""
 
 
 # More characters a token than any real text averages: a prompt longer than this many characters a token of its
@@ -130,7 +118,8 @@ def _has_unreadable(values: dict[str, Any]) -> bool:
 
 # What a column is to the row, for the error of a row whose value in it is Unreadable.
 COLUMN_ROLES = {"input.prompt_column": "prompt", "input.template": "prompt", "input.messages_column": "prompt",
-                "input.system_column": "system prompt", "input.id_column": "id", "output.keep_columns": "value"}
+                "input.system_column": "system prompt", "input.id_column": "id", "output.keep_columns": "value",
+                "score.continuation_column": "continuation"}
 
 
 def unreadable_row(config: JobConfig, position: int, values: dict[str, Any]) -> SourceRow:
@@ -175,29 +164,45 @@ class PromptBuilder:
                  context_limit: str | None = None):
         self.input = config.input
         self.sampling = config.sampling
+        self.task, self.task_section = config.task, config.task_section
         self.keep_columns = config.output.keep_columns
-        self.row_sampling_keys = [k for k in ROW_SAMPLING_KEYS if k in inputs.column_types]
+        self.row_sampling_keys = [k for k in ROW_SAMPLING_KEYS if k in inputs.column_types] \
+            if self.task == GENERATE else []  # the other tasks generate nothing: no sampling columns are read
+        self.continuation_column = getattr(self.task_section, "continuation_column", None)
+        self.scorer = ScoreSplit(self) if self.continuation_column else None
         own = config.input.chat_template if isinstance(config.input.chat_template, str) else None
         self.encoder = PromptEncoder(tokenizer, config.input.allow_special_tokens, own)
         self.max_model_len = max_model_len
         self.context_limit = context_limit or f"the model's context window is {max_model_len} tokens"
         # Rows without overrides share one params object (validated with the job); nothing mutates it.
         self.default_params = self.sampling.params()
+        self.default_pooling = None if self.task_section is None else pooling_params(self.task_section)
+        if self.task == "score":  # logprob_sum is the sum of the scored tokens' logprobs: the engine returns each
+            self.default_pooling = dataclasses.replace(self.default_pooling, token_logprobs=True)
 
     def build(self, batch: list[tuple[int, dict[str, Any]]]) -> list[SourceRow]:
-        rows, prompts = [], []
+        if self.scorer is not None:
+            return self.scorer.build(batch)
+        rows, prompts, given_ids, raw = [], [], [], []
         for position, values in batch:
             ident = values[self.input.id_column] if self.input.id_column else position
             keep = tuple(values[c] for c in self.keep_columns)
             try:
                 sampling = self.row_sampling(values)
-                prompts.append(self.checked_size(self.prompt_text(values)))
-                rows.append(SourceRow(position, ident, keep, None, sampling))
+                row = SourceRow(position, ident, keep, None, sampling, pooling=self.default_pooling)
+                ids = values.get("prompt_token_ids") if self.input.format == "openai-batch" else None
+                if ids is not None:  # an embeddings request's input as token ids: used as they are
+                    given_ids.append((row, list(ids)))
+                else:
+                    prompts.append(self.checked_size(self.prompt_text(values)))
+                    raw.append(self.is_raw(values))  # no chat template: the tokenizer's own special tokens
+                rows.append(row)
             except (RowError, SpecialTokenError) as exc:
                 rows.append(SourceRow(position, ident, keep, None, None, error=str(exc)))
-        ok = [row for row in rows if row.error is None]
-        raw = [self.is_raw(values) for _, values in batch]  # no chat template: the tokenizer's own special tokens
-        raw = [flag for row, flag in zip(rows, raw) if row.error is None]
+        for row, ids in given_ids:
+            self.attach_tokens(row, ids)
+        given = {id(row) for row, _ in given_ids}
+        ok = [row for row in rows if row.error is None and id(row) not in given]
         for flag in sorted(set(raw)):
             chosen = [i for i, r in enumerate(raw) if r == flag]
             encoded = self.encoder.encode([prompts[i] for i in chosen], add_special_tokens=flag)
@@ -215,7 +220,11 @@ class PromptBuilder:
         row.prompt_tokens = len(ids)
         if not ids:
             row.error = "prompt is empty after tokenization"
-        elif self.max_model_len is not None and len(ids) >= self.max_model_len:
+        elif self.task in ("embed", "classify"):  # the engine cuts a prompt longer than the model's maximum length
+            row.token_ids = ids                  # (or refuses it: truncate false)
+        elif self.task == "score" and self.max_model_len is not None and len(ids) > self.max_model_len:
+            row.error = f"prompt is too long: {len(ids)} tokens, and {self.context_limit}"
+        elif self.task != "score" and self.max_model_len is not None and len(ids) >= self.max_model_len:
             row.error = f"prompt is too long: {len(ids)} tokens, and {self.context_limit} (at least one must be " \
                         f"left to generate)"
         else:
@@ -225,12 +234,28 @@ class PromptBuilder:
 
     def checked_size(self, prompt: PromptText) -> PromptText:
         """The prompt, unless it has more characters than its context could hold in tokens: then that row's error,
-        before the tokenizer sees it (a 10 MB prompt's tokens alone take far more memory than the run's bound)."""
-        if self.max_model_len is not None and len(prompt.text) > self.max_model_len * MAX_CHARS_PER_TOKEN:
+        before the tokenizer sees it (a 10 MB prompt's tokens alone take far more memory than the run's bound).
+        embed and classify truncate instead: the text is cut to what the maximum length could hold, and the engine
+        cuts its tokens."""
+        limit = self.char_limit
+        if limit is not None and len(prompt.text) > limit and self.truncates:
+            # (a prompt with special-token text from the data stands in for it: user_text cut that text already)
+            return PromptText(prompt.text[:limit]) if prompt.stand_in is None else prompt
+        if limit is not None and len(prompt.text) > limit:
             raise RowError(f"prompt is {len(prompt.text):,} characters, more than the context of "
                            f"{self.max_model_len:,} tokens could hold (at most {MAX_CHARS_PER_TOKEN} characters a "
                            f"token); it was not tokenized")
         return prompt
+
+    @property
+    def char_limit(self) -> int | None:
+        return None if self.max_model_len is None else self.max_model_len * MAX_CHARS_PER_TOKEN
+
+    @property
+    def truncates(self) -> bool:
+        """Whether a prompt longer than the model's maximum length is cut (embed and classify, unless truncate is
+        false) rather than refused."""
+        return self.task in ("embed", "classify") and self.task_section.truncate
 
     def prompt_text(self, values: dict[str, Any]) -> PromptText:
         if self.is_raw(values):
@@ -274,6 +299,8 @@ class PromptBuilder:
                                f"(column {cfg.prompt_column!r})")
         if not prompt.strip():
             raise RowError("prompt is empty")
+        if self.truncates and self.char_limit is not None and len(prompt) > self.char_limit:
+            return prompt[:self.char_limit]  # what the maximum length could hold: a 10 MB row costs nothing
         return prompt
 
     def row_sampling(self, values: dict[str, Any]) -> SamplingParams:

@@ -9,6 +9,8 @@ ROW_COLUMN = "_row"
 SAMPLE_COLUMN = "sample_index"
 
 # The output columns, in the table's order (schema.COLUMNS), the conditional ones included.
-OUTPUT_COLUMNS = ("id", SAMPLE_COLUMN, "text", "finish_reason", "error", "prompt_tokens", "output_tokens",
-                  "cached_tokens", "queue_s", "ttft_s", "tpot_s", "e2e_s", "arrival_time", "first_token_time",
-                  "finish_time", "num_preemptions", "choice_probs", "logprobs", "top_logprobs", "json", "replica")
+OUTPUT_COLUMNS = ("id", SAMPLE_COLUMN, "text", "embedding", "label", "probs", "score", "logprob_sum",
+                  "num_scored_tokens", "perplexity", "token_logprobs", "finish_reason", "error", "prompt_tokens",
+                  "num_truncated_tokens", "output_tokens", "cached_tokens", "queue_s", "ttft_s", "tpot_s", "e2e_s",
+                  "arrival_time", "first_token_time", "finish_time", "num_preemptions", "choice_probs", "logprobs",
+                  "top_logprobs", "json", "replica")

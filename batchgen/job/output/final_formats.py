@@ -2,12 +2,15 @@
 sample of a row together). `parquet` (the default): a Parquet part. `jsonl`: the output columns as JSON lines.
 `openai-batch`: one line per request in OpenAI Batch output form — {id, custom_id, response: {status_code,
 request_id, body}, error} — with the requests that failed in their own `errors-*.jsonl` files, as OpenAI writes an
-error file; batchgen's timings ride along in a `batchgen` object on each line. The run parts, the ledger and
-`_SUCCESS` are the same for every format."""
+error file; batchgen's timings ride along in a `batchgen` object on each line. An embeddings request's body is
+OpenAI's list of one embedding (`encoding_format: base64`: its float32 bytes, little-endian, in base64). The run
+parts, the ledger and `_SUCCESS` are the same for every format."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Union
@@ -17,7 +20,7 @@ import pyarrow as pa
 from .schema import ROW_COLUMN, SAMPLE_COLUMN
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 # the extension object's fields: batchgen's own per-row figures, beside OpenAI's
 TIMING_FIELDS = ("queue_s", "ttft_s", "tpot_s", "e2e_s", "arrival_time", "first_token_time", "finish_time",
                  "output_tokens", "cached_tokens", "num_preemptions", "replica")
@@ -72,18 +75,39 @@ def batch_lines(table: pa.Table, model: str, chat: bool) -> tuple[str, str]:
         request_id = _request_id(first)
         line = {"id": f"batch_req_{request_id}", "custom_id": _custom_id(first["id"])}
         is_chat = first["url"] == CHAT if first.get("url") in (CHAT, COMPLETIONS) else chat
-        if first["finish_reason"] == "error":
+        try:
+            error = _failure(first)
+            body = _body(samples, model, is_chat, request_id) if error is None else None
+        except EmbeddingRefused as exc:
+            error = str(exc)
+        if error is not None:
             line |= {"response": {"status_code": 400, "request_id": request_id, "body": {"error": {
-                "message": first["error"], "type": "invalid_request_error", "param": None, "code": None}}},
+                "message": error, "type": "invalid_request_error", "param": None, "code": None}}},
                 "error": None}
             errors.append(_line(line | {"batchgen": _timings(first)}))
             continue
-        line |= {"response": {"status_code": 200, "request_id": request_id,
-                              "body": _body(samples, model, is_chat, request_id)}, "error": None,
+        line |= {"response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None,
                  "batchgen": _timings(first) | {"samples": [_timings(s) for s in samples]} if len(samples) > 1
                  else _timings(first)}
         responses.append(_line(line))
     return "".join(responses), "".join(errors)
+
+
+class EmbeddingRefused(ValueError):
+    """Why a request's embedding cannot be answered as asked (its line goes to the errors file)."""
+
+
+def _failure(row: dict) -> str | None:
+    """A failed row's error; a row of a task other than generate has no finish_reason, only its error. A request
+    answered by a job of the other kind (an embeddings request in a job that generates, or the reverse) is refused."""
+    failed = row["finish_reason"] == "error" if "finish_reason" in row else row.get("error") is not None
+    if failed:
+        return row.get("error") or "failed"
+    if row.get("url") == EMBEDDINGS and "embedding" not in row:
+        return f"{EMBEDDINGS} needs a job with task: embed (batchgen run-batch picks it for a file of embeddings)"
+    if row.get("url") in (CHAT, COMPLETIONS) and "embedding" in row:
+        return f"{row['url']} needs a job that generates (task: generate); this job's task is embed"
+    return None
 
 
 def _request_id(row: dict) -> str:
@@ -97,6 +121,8 @@ def _custom_id(ident: Any) -> Any:
 
 
 def _body(samples: list[dict], model: str, chat: bool, request_id: str) -> dict:
+    if "embedding" in samples[0]:
+        return _embedding_body(samples[0], model)
     finished = max(s["finish_time"] for s in samples)
     created = int(finished.replace(tzinfo=finished.tzinfo or timezone.utc).timestamp())
     choices = []
@@ -115,6 +141,30 @@ def _body(samples: list[dict], model: str, chat: bool, request_id: str) -> dict:
             "choices": choices, "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                           "total_tokens": prompt + completion,
                                           "prompt_tokens_details": {"cached_tokens": samples[0]["cached_tokens"]}}}
+
+
+def _embedding_body(row: dict, model: str) -> dict:
+    """OpenAI's embeddings response: one embedding. usage counts the tokens the model ran (after any cut to its
+    maximum length). A request's `dimensions` the engine did not apply (the job's embed.dimensions is job-wide) keeps
+    the first that many, normalized again where the whole vector was unit length, as the engine cuts (Matryoshka)."""
+    vector = [float(value) for value in row["embedding"]]
+    wanted = row.get("dimensions")
+    if wanted is not None and wanted != len(vector):
+        if wanted > len(vector):
+            raise EmbeddingRefused(f"dimensions {wanted} is more than the model's {len(vector)}")
+        unit = abs(math.fsum(v * v for v in vector) - 1.0) < 1e-3
+        vector = vector[:wanted]
+        norm = math.sqrt(math.fsum(v * v for v in vector))
+        if unit and norm > 0:
+            vector = [v / norm for v in vector]
+    if row.get("encoding_format") == "base64":
+        import numpy as np
+        encoded: Any = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    else:
+        encoded = vector
+    tokens = row.get("prompt_tokens") or 0  # what ran, after the cut (output/schema.py)
+    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": encoded}], "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _logprobs(row: dict, chat: bool) -> dict | None:
@@ -154,6 +204,9 @@ def batch_rows(text: str) -> list[dict]:
             rows.append({**ours, "finish_reason": "error", "error": error, "prompt_tokens": 0, "output_tokens": 0})
             continue
         usage, choices = body.get("usage") or {}, body.get("choices") or []
+        if body.get("object") == "list":  # an embedding: one row, no finish reason
+            rows.append({**ours, "error": None, "prompt_tokens": usage.get("prompt_tokens", 0), "output_tokens": 0})
+            continue
         samples = ours.get("samples") or [ours]
         for choice, sample in zip(choices, samples):
             rows.append({**sample, "finish_reason": choice.get("finish_reason"), "error": None,

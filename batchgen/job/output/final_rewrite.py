@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from .column_names import ROW_COLUMN
 from .final_formats import FinalFormat
+from .schema import error_mask
 from .parts import (FINAL_PART, REPORT, REWRITE_MANIFEST, SUCCESS, PartFile, in_row_order, part_metadata, read_part,
                     row_statistics)
 from .store import OutputStore
@@ -37,10 +38,14 @@ class RowTotals:
     cached_tokens: int = 0
     preemptions: int = 0
     generated_prompt_tokens: int = 0  # prompt tokens of the rows that were not errors
+    # the tasks other than generate (each counted where the table has its column):
+    truncated_rows: int = 0  # embed, classify: rows cut to the model's maximum length
+    scored_tokens: int = 0  # score: tokens scored, over all rows
+    embedding_dimensions: int | None = None  # embed: the first embedding's length
 
     def add(self, table: pa.Table) -> None:
         """Add a table holding every output row of its input rows (`_row` included)."""
-        is_error = pc.equal(table["finish_reason"], "error")
+        is_error = error_mask(table)
         errors = pc.sum(is_error).as_py() or 0
         generated = pc.filter(table["prompt_tokens"], pc.invert(is_error))
         self.generated_prompt_tokens += pc.sum(generated).as_py() or 0
@@ -50,8 +55,15 @@ class RowTotals:
         self.rows_error += errors
         self.rows_ok += rows - errors
         for name, column in (("prompt_tokens", "prompt_tokens"), ("output_tokens", "output_tokens"),
-                             ("cached_tokens", "cached_tokens"), ("preemptions", "num_preemptions")):
-            setattr(self, name, getattr(self, name) + (pc.sum(table[column]).as_py() or 0))
+                             ("cached_tokens", "cached_tokens"), ("preemptions", "num_preemptions"),
+                             ("scored_tokens", "num_scored_tokens")):
+            if column in table.column_names:  # output tokens: generate's alone; scored tokens: score's
+                setattr(self, name, getattr(self, name) + (pc.sum(table[column]).as_py() or 0))
+        if "num_truncated_tokens" in table.column_names:
+            self.truncated_rows += pc.sum(pc.greater(table["num_truncated_tokens"], 0)).as_py() or 0
+        if "embedding" in table.column_names and self.embedding_dimensions is None:
+            lengths = pc.drop_null(pc.list_value_length(table["embedding"]))
+            self.embedding_dimensions = lengths[0].as_py() if len(lengths) else None
 
 
 class FinalReport(Protocol):

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from batchgen.engine.block_pool import hash_block
 from batchgen.engine.errors import SettingError
 from batchgen.engine.engine_plan import EnginePlan, EngineTarget, plan_engine, resolve_target
@@ -20,18 +18,16 @@ from batchgen.machine import available_memory, process_rss
 from batchgen.models.inspector import ModelDescription
 
 from . import memory
-from ..config import JobConfig, JobConfigError, setting_error
+from ..config import JobConfig, setting_error
 from ..input.files import InputFiles
-from ..output.resume import check_output, output_errors
-from ..prepare import PreparedJob, check_chat_template, engine_args_for, inspect_job
+from ..prepare import engine_args_for, inspect_job
 from ..input.source import SourceRow, read_source
+from .common import (MEMORY_WARN_SHARE, PLAN_NO_DOWNLOAD, load_model_files, memory_verdict,  # noqa: F401
+                     output_status, percentile)
+from .encoder_plan import is_encoder, make_encoder_plan
 from .precision_advice import advise_precision
 from .throughput import TimeEstimate, estimate_time, machine
 
-# Over this share of the available memory the plan warns; over all of it, it refuses (exit 2).
-MEMORY_WARN_SHARE = 0.8
-# Why a hub model absent from the HF cache stops the plan: what run would do instead.
-PLAN_NO_DOWNLOAD = "batchgen plan downloads nothing (batchgen run would download it)"
 
 
 @dataclass
@@ -100,6 +96,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     # prepare_job's checks, without taking the output (its lock, --overwrite's removal) or downloading a model
     job = inspect_job(config, no_download_because=PLAN_NO_DOWNLOAD)
     inputs, model_ref = job.inputs, job.fingerprint["model"]
+    if is_encoder(model_ref):  # the BERT family: no KV cache, its own plan
+        return make_encoder_plan(config, job, overwrite, sample_rows)
     output_state, rows_left, problems = output_status(job, overwrite)
 
     try:  # the engine's own rules: device, dtype and why, the quantization's verdict (engine/engine_plan.py)
@@ -148,23 +146,12 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     plan.precision = advise_precision(archive, machine(device), str(choice.dtype).removeprefix("torch."),
                                       config.engine.quantization, max(decode_batch, 1), computed * scale,
                                       tokens.output_bound * scale)
-    if probe and time.seconds is None and not problems and rows_left and tokens.leading:  # measure it (probe.py)
+    if probe and config.task == "generate" and time.seconds is None and not problems and rows_left and tokens.leading:  # measure it (probe.py)
         from .probe import probe_time
         plan.time = probe_time(config, str(model_dir), rows_left, tokens.leading, max(decode_batch, 1),
                                computed * scale, tokens.output_bound * scale, tokens.scored * scale, time.how,
                                process_started)
     return plan
-
-
-def memory_verdict(peak: int, available: int) -> tuple[str | None, str | None]:
-    """(the job-level error, the warning) for an estimated peak against the memory available."""
-    said = f"the estimated peak ({peak / 2**20:,.0f} MiB) is {peak / available:.0%} of the " \
-           f"{available / 2**20:,.0f} MiB available"
-    if peak > available:
-        return f"memory: {said}; lower engine.kv_cache_memory or engine.max_num_batched_tokens", None
-    if peak > MEMORY_WARN_SHARE * available:
-        return None, f"memory: {said}: little room for error or for other processes"
-    return None, None
 
 
 def plan_engine_for(config: JobConfig, shape: ModelDescription, weights: memory.WeightBytes, target: EngineTarget,
@@ -225,26 +212,6 @@ def window_bytes(config: JobConfig, tokens: TokenStats, total_rows: int) -> int:
     return int(rows * mean_prompt * memory.WINDOW_BYTES_PER_TOKEN)
 
 
-def load_model_files(config: JobConfig, model_ref: str):
-    """The directory of the model the fingerprint names (a GGUF is converted once, into the cache; a hub model is
-    the commit found in the HF cache) and its tokenizer; no weights."""
-    from batchgen.models import ModelError
-    from batchgen.models.loader import load_tokenizer, resolve_model
-
-    before = process_rss()
-    try:
-        model_dir = resolve_model(model_ref)
-        # A conversion loads the whole model in this process: the baseline measured below then overstates a run's.
-        converted_now = process_rss() - before > 256 * 2**20
-        tokenizer = load_tokenizer(model_dir)
-    except ModelError as exc:
-        raise JobConfigError(f"model: {exc}") from None
-    if tokenizer is None:
-        raise JobConfigError(f"model: {model_dir} has no tokenizer; a job needs one to build its prompts")
-    check_chat_template(config, tokenizer)
-    return model_dir, tokenizer, converted_now
-
-
 def sample_tokens(config: JobConfig, inputs: InputFiles, tokenizer, context: int, limit: str,
                   sample_rows: int) -> TokenStats:
     """The first `sample_rows` rows through the job's own source: prompts built, tokenized and sorted."""
@@ -257,7 +224,9 @@ def sample_tokens(config: JobConfig, inputs: InputFiles, tokenizer, context: int
     firsts = sorted(ok, key=lambda row: row.row)[:3]
     examples = [(row, tokenizer.decode(row.token_ids, skip_special_tokens=False)) for row in firsts]
     lengths = CandidateLengths(tokenizer)
-    shapes = [row_tokens(len(row.token_ids), row.sampling, lengths, config.engine.block_size, context) for row in ok]
+    shapes = [row_tokens(len(row.token_ids), row.sampling, lengths, config.engine.block_size, context)
+              if config.task == "generate" else prefill_only(len(row.token_ids), config.engine.block_size)
+              for row in ok]
     return TokenStats(
         sampled=sampled, errors=sorted((row for row in rows if row.error is not None), key=lambda row: row.row),
         prompt=sorted(len(row.token_ids) for row in ok),
@@ -305,6 +274,11 @@ def row_tokens(prompt: int, sampling, candidate_lengths: CandidateLengths, block
     return RowTokens(prompt, prompt + scored, prompt + max(lengths), blocks, scored, len(lengths))
 
 
+def prefill_only(prompt: int, block_size: int) -> RowTokens:
+    """A row of a task other than generate: its prompt, computed once, nothing generated."""
+    return RowTokens(prompt, prompt, prompt, -(-prompt // block_size), 0, 0)
+
+
 class CandidateLengths:
     """Each `choice` string's token count, tokenized once per distinct choice list (a job's rows mostly share
     one: thousands of labels would otherwise be tokenized again for every sampled row)."""
@@ -335,35 +309,6 @@ def shared_prefix_tokens(prompts: list[list[int]], block_size: int) -> int:
             seen.add(block_hash)
             parent = block_hash
     return shared
-
-
-def output_status(job: PreparedJob, overwrite: bool) -> tuple[str, int, list[str]]:
-    """What the output directory holds for this job, read only: (description, rows a run would generate, the
-    job-level errors run would stop with)."""
-    out, total = job.out, job.inputs.total_rows
-    try:
-        with output_errors(out):
-            complete = check_output(out, job.fingerprint, overwrite, job.run_schema)
-            done = out.done_rows(total).count(1) if out.run_parts() and not overwrite else 0
-    except JobConfigError as exc:
-        return f"refused: {exc}", total, [str(exc)]
-    message = out.busy_message()
-    if message is not None:
-        return f"refused: {message}", total, [message]
-    if overwrite and (out.names() or out.pending_rewrite() is not None):
-        return "--overwrite: run discards what this output holds and starts over", total, []
-    if complete is not None:
-        return f"complete ({complete.get('rows', 0):,} rows, _SUCCESS): run does nothing (--overwrite runs it " \
-               f"again)", 0, []
-    if out.pending_rewrite() is not None:
-        return "every row committed, final parts half moved: run finishes that without loading the model", 0, []
-    if done:
-        return f"{done:,} of {total:,} rows committed: run resumes with the other {total - done:,}", total - done, []
-    return "nothing yet: run starts with row 0", total, []
-
-
-def percentile(sorted_values: list[int], q: float) -> int:
-    return int(np.percentile(sorted_values, q * 100, method="lower")) if sorted_values else 0
 
 
 def seqs_at_once(plan: Plan) -> tuple[int, int]:

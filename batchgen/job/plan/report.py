@@ -5,13 +5,16 @@ from batchgen.models.hub import parse_hub_id
 from batchgen.models.named import NAMED_MODELS
 from batchgen.models.registry import GENERIC, SUPPORTED_ARCHITECTURES
 
+from .encoder_plan import EncoderPlan, format_encoder_plan
 from .estimate import MEMORY_WARN_SHARE, Plan, percentile, seqs_at_once
 from ..input.files import read_columns
 
 WIDTH = 118  # a prompt is shown on one line, its middle elided beyond this
 
 
-def format_plan(plan: Plan, job_path: str) -> str:
+def format_plan(plan: Plan | EncoderPlan, job_path: str) -> str:
+    if isinstance(plan, EncoderPlan):
+        return format_encoder_plan(plan, job_path)
     sections = [("job", _job(plan)), ("input", _input(plan)), ("prompts", _prompts(plan)),
                 ("tokens", _tokens(plan)), ("fit", _fit(plan)), ("memory", _memory(plan)), ("time", _time(plan)),
                 ("cost", _cost(plan)), ("output", [f"{plan.config.output.path}: {plan.output_state}"])]
@@ -27,7 +30,8 @@ def _job(plan: Plan) -> list[str]:
     c, e = plan.config, plan.config.engine
     where = "" if plan.model_ref in NAMED_MODELS else f" ({plan.model_dir})"
     model = plan.model_ref if parse_hub_id(c.model) else c.model  # a hub id with the commit it resolved to
-    return [f"valid: model {model}{where}, {plan.dtype.name} on {plan.device.type} ({plan.dtype.reason}); sort {c.input.sort} "
+    task = "" if c.task == "generate" else f"task {c.task}, "
+    return [f"valid: {task}model {model}{where}, {plan.dtype.name} on {plan.device.type} ({plan.dtype.reason}); sort {c.input.sort} "
             f"(window {c.input.sort_window:,}), max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
             f"{e.max_num_batched_tokens:,}, block_size {e.block_size}, prefix cache "
             f"{'on' if e.enable_prefix_caching else 'off'}, batch-invariant {'on' if e.batch_invariant else 'off'}",
@@ -81,13 +85,16 @@ def _tokens(plan: Plan) -> list[str]:
         errors += f" (first: row {t.errors[0].row}: {t.errors[0].error})"
     share = t.shared / sum(t.prompt) if t.prompt else 0.0
     cache = "" if plan.config.engine.enable_prefix_caching else " (prefix caching is off: none is served)"
-    return [f"the first {t.sampled:,} of {total:,} rows (--sample-rows): {n:,} to generate, {errors}",
+    generates = plan.config.task == "generate"
+    output = (f"output tokens: at most {t.output_bound:,} (n x max_tokens a row; a choice row: its candidates' tokens)"
+              + (f"; ~{t.output_bound * total / t.sampled:,.0f} for all {total:,} rows" if t.sampled < total else "")
+              if generates else f"output tokens: none (task {plan.config.task}: each prompt runs once)")
+    verb = "generate" if generates else "run"
+    return [f"the first {t.sampled:,} of {total:,} rows (--sample-rows): {n:,} to {verb}, {errors}",
             f"prompt tokens: p50 {percentile(t.prompt, .5):,}, p90 {percentile(t.prompt, .9):,}, "
             f"max {t.prompt[-1] if n else 0:,} ({sum(t.prompt):,} in the sample)",
             f"shared prefix: {share:.1%} of prompt tokens lie in full {plan.config.engine.block_size}-token blocks "
-            f"that an earlier row shares after the {plan.config.input.sort} sort{cache}",
-            f"output tokens: at most {t.output_bound:,} (n x max_tokens a row; a choice row: its candidates' tokens)"
-            + (f"; ~{t.output_bound * total / t.sampled:,.0f} for all {total:,} rows" if t.sampled < total else "")]
+            f"that an earlier row shares after the {plan.config.input.sort} sort{cache}", output]
 
 
 def _fit(plan: Plan) -> list[str]:
@@ -102,7 +109,7 @@ def _fit(plan: Plan) -> list[str]:
         verdict = "does not fit: such rows stop at the context (finish_reason length)"
     else:
         verdict = "does not fit: such rows are errors (a choice row's prompt and longest candidate must fit)"
-    what = "prompt + max_tokens"
+    what = "prompt + max_tokens" if plan.config.task == "generate" else "prompt"
     if t.candidates[-1]:  # choice rows: one candidate at a time follows the prompt
         what = "prompt + longest candidate" if t.candidates[0] else f"{what} (a choice row: + its longest candidate)"
     fits, median = seqs_at_once(plan)

@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..output.schema import error_mask
+
 SAMPLE_ROWS = 100_000
 LATENCIES = ("queue_s", "ttft_s", "tpot_s", "e2e_s")
 COLUMNS = (*LATENCIES, "finish_reason", "error", "prompt_tokens", "output_tokens", "cached_tokens", "replica")
@@ -37,19 +39,26 @@ class ReportRows:
         names = [name for name in COLUMNS if name in table.column_names]
         table = table.select(names)
         self.rows += table.num_rows
-        self.finish_reasons.update(dict(zip(*_value_counts(table["finish_reason"]))))
-        errors = table.filter(pc.equal(table["finish_reason"], "error"))["error"].to_pylist()
+        is_error = error_mask(table)
+        if "finish_reason" in names:
+            self.finish_reasons.update(dict(zip(*_value_counts(table["finish_reason"]))))
+        else:  # a task other than generate: a row worked or failed
+            errors_here = pc.sum(is_error).as_py() or 0
+            self.finish_reasons.update({"ok": table.num_rows - errors_here, "error": errors_here})
+            self.finish_reasons -= Counter()  # no zero counts
+        errors = table.filter(is_error)["error"].to_pylist()
         for reason in map(error_reason, errors):
             if reason in self.error_reasons or len(self.error_reasons) < MAX_REASONS:
                 self.error_reasons[reason] += 1
             else:
                 self.error_reasons["other"] += 1
         for name in ("prompt_tokens", "output_tokens", "cached_tokens"):
-            self.tokens[name] += pc.sum(table[name]).as_py() or 0
+            if name in names:  # output_tokens: generate's alone
+                self.tokens[name] += pc.sum(table[name]).as_py() or 0
         keys = self.rng.random(table.num_rows)
         columns = {name: _numbers(table[name]) for name in (*LATENCIES, "output_tokens", "prompt_tokens", "replica")
                    if name in names}
-        columns["ok"] = pc.not_equal(table["finish_reason"], "error").to_numpy(zero_copy_only=False)
+        columns["ok"] = pc.invert(is_error).to_numpy(zero_copy_only=False)
         merged_keys = np.concatenate([self.keys, keys])
         merged = {name: np.concatenate([self.sample[name], values]) if name in self.sample else values
                   for name, values in columns.items()}
