@@ -171,7 +171,9 @@ def test_a_driver_killed_mid_run_resumes_with_every_row_once(tmp_path, prompts, 
     assert [run["status"] for run in runs] == ["running", "finished"]
 
 
-INVARIANT_MODES = [("bfloat16", None), ("float32", None), ("bfloat16", "int8-weight-only"), ("float32", "int8")]
+# Two modes across replicas (bf16, whose rows change with their batch by default, and fp32 W8A8's int8 kernels);
+# tests/test_batch_invariance.py holds every mode to the same bits in-process.
+INVARIANT_MODES = [("bfloat16", None), ("float32", "int8")]
 VNNI = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & (cpu_flags() or set()))
 
 
