@@ -29,6 +29,19 @@ _TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
+def cache_sharing_builds(cache: Path) -> Path:
+    """A BATCHGEN_CACHE_DIR of a test's own whose converted models (gguf/) and C++ kernels (kernels/) are the
+    suite's, linked in: a converted GGUF or a kernel build costs ~30-40 s, which a test of something else (staged
+    inputs, object storage) need not pay again."""
+    from batchgen.models.gguf_cache import cache_root
+
+    cache.mkdir(parents=True, exist_ok=True)
+    for name in ("gguf", "kernels"):
+        (cache_root() / name).mkdir(parents=True, exist_ok=True)
+        (cache / name).symlink_to(cache_root() / name)
+    return cache
+
+
 def randomize_weights(model, seed: int, scale: float) -> None:
     """Every parameter random from `seed`: norm weights 1 + 0.1 noise, everything else `scale` x noise."""
     generator = torch.Generator().manual_seed(seed)

@@ -67,9 +67,11 @@ def built_library() -> Path:
 
 
 def copying_compiler(tmp_path: Path, library: Path) -> Path:
-    """A stand-in C++ compiler whose "build" copies an already built library: a rebuild costs no compile."""
+    """A stand-in C++ compiler whose "build" copies an already built library: a rebuild costs no compile. Another
+    library's build (the AMX one, on a CPU with AMX) fails, as a compiler without its flags would."""
     fake = tmp_path / "fake-c++"
     fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "fake c++ 1.0"; exit 0; }\n'
+                    'case "$*" in */amx/*) exit 1;; esac\n'
                     f'while [ $# -gt 1 ]; do [ "$1" = -o ] && exec cp "{library}" "$2"; shift; done\nexit 1\n')
     fake.chmod(0o755)
     return fake

@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from batchgen.job.input.openai_batch import BatchEndpoint
-from batchgen.models.gguf_cache import cache_root
 from batchgen.job.input.text_formats import INPUT_ERROR_COLUMN, MESSAGES_TYPE, stage, sweep_staged
 from cli_runs import kill_after_parts, run_cli
+from conftest import cache_sharing_builds
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "data" / "samples" / "prompts.parquet"
@@ -60,11 +60,9 @@ def texts(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kind", ["csv", "jsonl", "jsonl.gz"])
 def test_a_text_input_gives_the_parquet_inputs_output(tmp_path, texts, kind, monkeypatch):
-    shared_models = cache_root() / "gguf"  # the default model's conversion, made once for the whole suite
-    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
-    cache = tmp_path / "cache" / "inputs"
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(cache_sharing_builds(tmp_path / "cache")))
+    cache = tmp_path / "cache" / "inputs"  # this test's own: its staged copies are what it checks
     cache.mkdir(parents=True)
-    (tmp_path / "cache" / "gguf").symlink_to(shared_models)
     days = lambda n: time.time() - n * 86400
     for name, age in [("a" * 24 + ".parquet", 8), ("b" * 24 + ".parquet", 6), (".c.parquet.1.inprogress", 2)]:
         (cache / name).write_bytes(b"an earlier run's")  # copies of other files, unused for `age` days

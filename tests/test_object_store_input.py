@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from conftest import cache_sharing_builds
 from s3_server import ACCESS_KEY, SECRET_KEY, ThrottlingProxy, start_s3_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +101,7 @@ def test_json_lines_and_gzipped_csv_objects_give_the_parquet_objects_output(tmp_
     client = s3.client()
     client.put_object(Bucket="inputs", Key="text/jsonl/prompts.jsonl", Body=frame.write_ndjson().encode())
     client.put_object(Bucket="inputs", Key="text/csv/prompts.csv.gz", Body=gzip.compress(frame.write_csv().encode()))
-    env = {**s3.env(), "BATCHGEN_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**s3.env(), "BATCHGEN_CACHE_DIR": str(cache_sharing_builds(tmp_path / "cache"))}
     for kind in ("jsonl", "csv"):
         done = batchgen("run", write_job(tmp_path, kind, f"s3://inputs/text/{kind}/"), env, "--quiet")
         assert done.returncode == 0, done.stderr[-3000:]
