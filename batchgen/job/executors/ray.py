@@ -143,7 +143,14 @@ def connect(address: str | None) -> bool:
     address = address or os.environ.get("RAY_ADDRESS")
     # Errors only: Ray's warnings (token authentication, progress bars off) are not the job's, and a --quiet run of a
     # scheduled pipeline should print nothing but failures.
-    ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    for attempt in (1, 2):
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+            break
+        except Exception as exc:  # a local Ray waits a fixed 30 s for its raylet: a loaded machine can miss it once
+            if address or attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+            ray.shutdown()
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     return True
 
