@@ -20,7 +20,7 @@ from .request import PoolingParams, Request, Result
 from .request_group import PrefillGroup, RequestGroup
 from .sampler import PenaltyState, has_penalty
 from .scheduler import Scheduler, StepStats
-from .sequence import SequenceStatus
+from .sequence import BASE_MODEL, AdapterIdentity, SequenceStatus
 from .startup import set_up
 from .step_times import StepTimes
 from .structured import GrammarCompiler
@@ -46,6 +46,7 @@ class Engine:
                                                self.kv_pool.local)
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = setup.runner
+        self.adapters = setup.adapters  # lora.attach.LoadedAdapters with EngineArgs.lora: each name's slot and salt
         self.eos_token_ids = setup.eos_token_ids  # every token that ends generation, the model's own first
         self.task = args.task  # generate, or a prefill-only task (pooler.py): what every request returns
         self.classifier = classifier_of(self.model) if self.task == "classify" else None
@@ -72,6 +73,12 @@ class Engine:
         step(). A request with n samples yields n Results, together, from one step()."""
         if request.request_id in self._unfinished:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        adapter = self._adapter(request.lora)
+        if adapter is None:
+            known = ", ".join(sorted(self.adapters.identities)) if self.adapters else "none"
+            self._rejected.append(self.output.error(request, f"lora adapter {request.lora!r} is not loaded "
+                                                             f"(loaded: {known})"))
+            return
         if self.task != "generate":
             self._add_prefill(request)
             return
@@ -88,7 +95,7 @@ class Engine:
             return
         params = request.sampling_params
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        group = RequestGroup(request, seed, candidates, new_matcher)
+        group = RequestGroup(request, seed, candidates, new_matcher, adapter)
         for seq in group.members:
             if seq.samples:
                 if has_penalty(params):
@@ -97,6 +104,12 @@ class Engine:
         self._unfinished[request.request_id] = group
         for seq in group.first_sequences:
             self.scheduler.add(seq)
+
+    def _adapter(self, name: str | None) -> AdapterIdentity | None:
+        """The slot and prefix-cache salt of LoRA adapter `name` (None: the base model); None if not loaded."""
+        if name is None:
+            return BASE_MODEL
+        return self.adapters.identity(name) if self.adapters is not None else None
 
     def _add_prefill(self, request: Request) -> None:
         """A prefill-only request (task embed, classify or score): its PoolingParams apply, its sampling is ignored."""

@@ -63,6 +63,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphRunner | None = None  # set at startup on CUDA: decode-only steps
         self.classifier_head: torch.nn.Module | None = None  # task classify: the model's `score` (pooler.py)
+        self.lora_context = None  # lora.LoraContext with adapters: each step's rows by adapter slot, set here
         # The global group's cache (every layer's, without a local group) and the local group's.
         self.kv = GroupCache(model, len(layout.global_layers), pool.num_blocks, pool.block_size, dtype, device)
         self.local_kv = None if pool.local is None else GroupCache(
@@ -130,12 +131,15 @@ class ModelRunner:
     def execute(self, scheduled: dict[Sequence, int]) -> StepOutput:
         """Run one step: sample a token for each GENERATE sequence that reached its last token, score the
         positions of SCORE sequences, keep what POOL sequences pool."""
-        # Decodes (one new token) first: the attention backends batch them together.
-        batch = sorted(scheduled.items(), key=lambda item: item[1] != 1)
+        # Decodes (one new token) first: the attention backends batch them together. Then, within each, the rows of
+        # one LoRA adapter together: its product runs once over them (lora_linear.py).
+        batch = sorted(scheduled.items(), key=lambda item: (item[1] != 1, item[0].adapter.slot))
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.run(batch)
         else:
             input_ids, positions, metadata = self._prepare(batch)
+            if self.lora_context is not None:
+                self.lora_context.segments = adapter_segments(batch)
             hidden = self.model(input_ids, positions, metadata)
 
         rows, sampling_seqs = [], []  # the last row of each sequence that samples
@@ -223,3 +227,16 @@ def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
         return [[] for _ in range(logprobs.shape[0])]
     values, ids = logprobs.topk(k, dim=-1)
     return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+
+
+def adapter_segments(batch: list[tuple[Sequence, int]]) -> list[tuple[int, int, int]]:
+    """(first row, end row, adapter slot) of each run of rows of one adapter, in the batch's order."""
+    segments, row = [], 0
+    for seq, n in batch:
+        slot = seq.adapter.slot
+        if segments and segments[-1][2] == slot:
+            segments[-1] = (segments[-1][0], row + n, slot)
+        else:
+            segments.append((row, row + n, slot))
+        row += n
+    return segments

@@ -160,6 +160,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     pooling_params: PoolingParams | None = None  # an embed/classify/score engine's settings (None: the defaults)
+    lora: str | None = None  # the LoRA adapter that answers (a name of EngineArgs.lora); None: the base model
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,7 @@ import torch
 from .pooler import LAST, Classifier, ModelPooling, PrefillPrompt, classification, embedding
 from .request import PoolingParams, Request, Result, SamplingParams
 from .sampler import GREEDY_TEMPERATURE, hash_uniforms, _to_signed
-from .sequence import Sequence, SequenceRole, SequenceStatus
+from .sequence import BASE_MODEL, AdapterIdentity, Sequence, SequenceRole, SequenceStatus
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 
@@ -57,10 +57,12 @@ class Forks:
 
 
 class RequestGroup:
-    def __init__(self, request: Request, seed: int, candidates: list[list[int]] | None, new_matcher) -> None:
+    def __init__(self, request: Request, seed: int, candidates: list[list[int]] | None, new_matcher,
+                 adapter: AdapterIdentity = BASE_MODEL) -> None:
         """candidates: the token ids of each `choice` string, None without `choice`. new_matcher() returns a
-        fresh structured.Matcher for a constrained request, None otherwise."""
+        fresh structured.Matcher for a constrained request, None otherwise. adapter: its LoRA adapter's."""
         self.request_id = request.request_id
+        self.adapter = adapter
         self.params = params = request.sampling_params
         self.seed = seed
         self.prompt = list(request.prompt_token_ids)
@@ -110,8 +112,7 @@ class RequestGroup:
                   matcher: Any) -> Sequence:
         seed = sample_seed(self.seed, index) if role is SequenceRole.GENERATE else self.seed
         seq = Sequence(self.request_id, list(token_ids), num_prompt_tokens, self.params, seed, self.arrival_time,
-                       role=role,
-                       sample_index=index, matcher=matcher)
+                       role=role, sample_index=index, matcher=matcher, adapter=self.adapter)
         if role is SequenceRole.GENERATE and self.params.logprobs is not None:
             seq.token_logprobs, seq.top_logprobs = [], []
         return seq
@@ -197,13 +198,13 @@ class PrefillGroup:
     samples nothing, and the Result built from what it kept (pooler.py). Its sampling parameters are ignored."""
 
     def __init__(self, request: Request, prompt: PrefillPrompt, task: str, params: PoolingParams,
-                 classifier: Classifier | None, defaults: ModelPooling) -> None:
+                 classifier: Classifier | None, defaults: ModelPooling, adapter: AdapterIdentity = BASE_MODEL) -> None:
         self.request_id = request.request_id
         self.task, self.params, self.classifier, self.defaults = task, params, classifier, defaults
         self.num_truncated = prompt.num_truncated
         ids = prompt.token_ids
         seq = Sequence(request.request_id, list(ids), len(ids), SamplingParams(), 0, time.monotonic(),
-                       role=SequenceRole.SCORE if task == "score" else SequenceRole.POOL)
+                       role=SequenceRole.SCORE if task == "score" else SequenceRole.POOL, adapter=adapter)
         if task == "score":  # positions score_from - 1 .. len - 2 predict the scored tokens; the end is not scored
             seq.score_from, seq.scores_end = params.score_from - 1, False
             seq.scores = [0.0] * (len(ids) - params.score_from)

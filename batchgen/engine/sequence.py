@@ -69,6 +69,18 @@ class BlockIds:
         self._ids[start:end] = block.block_id
 
 
+@dataclass(frozen=True)
+class AdapterIdentity:
+    """A sequence's LoRA adapter (lora/attach.py): its slot in the model's LoraLinears, and the salt its prefix-cache
+    keys start from, so that KV computed under one adapter is never found by another's (or the base's) prompt."""
+
+    slot: int = 0
+    salt: bytes | None = None
+
+
+BASE_MODEL = AdapterIdentity()
+
+
 @dataclass(eq=False)
 class Sequence:
     """`num_computed_tokens` catches up with `num_tokens` (prompt + generated); whenever it does, the step that
@@ -118,6 +130,7 @@ class Sequence:
     # it), or the sum of the rows so far
     pooling: str | None = None
     pooled: Any = None
+    adapter: AdapterIdentity = BASE_MODEL
 
     @classmethod
     def from_request(cls, request: Request, seed: int) -> "Sequence":
@@ -182,6 +195,6 @@ class Sequence:
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks within the first num_tokens tokens, extended incrementally."""
         for i in range(len(self.block_hashes), num_tokens // block_size):
-            parent = self.block_hashes[-1] if self.block_hashes else None
+            parent = self.block_hashes[-1] if self.block_hashes else self.adapter.salt
             self.block_hashes.append(hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
         return self.block_hashes[: num_tokens // block_size]

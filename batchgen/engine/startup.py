@@ -53,6 +53,7 @@ class EngineSetup:
     eos_token_ids: list[int]
     runner: ModelRunner
     model_dir: Any = None  # the resolved model directory (a pooled model's sentence-transformers files: pooler.py)
+    adapters: Any = None  # lora.attach.LoadedAdapters with EngineArgs.lora, else None
 
     @property
     def device(self) -> torch.device:
@@ -92,6 +93,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     try:
         description = inspect_model(model_dir, checkpoint, args.model_impl)  # None: load_model says what is wrong with it
         check_task(args, model_dir, checkpoint, description)
+        adapters = read_lora(args, description) if description is not None else None  # before the weights load
         if description is not None:  # before anything loads: a shape the kernels cannot compile is one clear error
             check_attention_shape(args, device, dtype.dtype, description)
         tokenizer = load_tokenizer(model_dir)  # while the heap is faulted in: host_malloc.py
@@ -138,6 +140,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
     if description is None:  # the checkpoint loaded, so its config and headers read now
         description = describe_model(model_dir, model_impl=args.model_impl)
         check_attention_shape(args, device, dtype.dtype, description)
+        adapters = read_lora(args, description)
+    loaded = attach_lora(model, adapters, dtype.dtype) if adapters else None
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
     plan = plan_engine(args, description, lambda: profile_step(
         model, args.max_num_batched_tokens, args.max_num_seqs, args.block_size, args.attention_backend),
@@ -145,16 +149,49 @@ def set_up(args: EngineArgs) -> EngineSetup:
     log_kv_pool(plan)
     max_model_len = plan.max_model_len
     runner = ModelRunner(model, plan.kv_pool, plan.kv_layout, dtype.dtype, device, eos, args.attention_backend)
+    runner.lora_context = loaded.context if loaded is not None else None
     if device.type == "cpu":  # after the weights and the KV cache, which stay mapped apart
         keep_step_memory()
     if attention.name == "triton" and device.type == "cuda":  # the kernels chosen above
         compile_attention_kernels(model, max_model_len)  # no step of the run compiles a kernel
     # The generic path's transformers code may sync with the host inside a step (an MoE's routing by expert, say),
     # which a CUDA graph cannot capture: its decode steps run eagerly.
-    if device.type == "cuda" and not args.enforce_eager and plan.model.path == NATIVE and args.task == "generate":
+    if device.type == "cuda" and not args.enforce_eager and plan.model.path == NATIVE and args.task == "generate" \
+            and loaded is None:  # a step's adapters are not part of a captured graph
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention,
                                                      bool(plan.kv_layout.local_layers))
-    return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model), eos, runner, model_dir)
+    return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model), eos, runner, model_dir,
+                       loaded)
+
+
+def read_lora(args: EngineArgs, description) -> list | None:
+    """EngineArgs.lora's adapters, read and checked against the base model (SettingError lora); None without."""
+    if not args.lora:
+        return None
+    from batchgen.lora import AdapterError, BaseShape
+    from batchgen.lora.attach import read_adapters
+
+    if description.path != NATIVE:
+        raise SettingError("lora", f"lora adapters run on batchgen's own implementations; {description.architecture} "
+                                   f"runs on the generic path (model_impl: transformers)")
+    if args.task != "generate":
+        raise SettingError("lora", f"lora adapters apply to task generate, not {args.task}")
+    try:
+        return read_adapters(args.lora, BaseShape.of(description))
+    except AdapterError as exc:
+        raise SettingError("lora", str(exc)) from None
+
+
+def attach_lora(model: torch.nn.Module, adapters: list, dtype: torch.dtype):
+    from batchgen.lora.attach import attach
+
+    try:
+        loaded = attach(model, adapters, dtype)
+    except ValueError as exc:
+        raise SettingError("lora", str(exc)) from None
+    logger.info("lora: %d adapters (%s), %.1f MiB", len(adapters), ", ".join(a.name for a in adapters),
+                loaded.nbytes / 2**20)
+    return loaded
 
 
 def check_task(args: EngineArgs, model_dir, checkpoint: CheckpointHeaders | None,

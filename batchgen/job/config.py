@@ -153,6 +153,8 @@ class JobConfig:
         job has `sampling`, another task its own section instead."""
         engine = dataclasses.asdict(self.engine)
         top = {key: engine.pop(key) for key in TOP_LEVEL_KEYS}
+        for key in ENGINE_ONLY_KEYS:
+            engine.pop(key)
         task = {"sampling": dataclasses.asdict(self.sampling)} if self.task_section is None else \
             {self.task: dataclasses.asdict(self.task_section)}
         found = plain({"input": dataclasses.asdict(self.input), "output": dataclasses.asdict(self.output), **top,
@@ -165,8 +167,11 @@ class JobConfig:
         return found
 
 
+# EngineArgs fields the job file does not have yet: LoRA adapters come with their per-row column (issue 42).
+ENGINE_ONLY_KEYS = ("lora", "max_loras")
+
 # engine.sort is the deprecated spelling of input.sort.
-ENGINE_KEYS = {**keys_of(EngineArgs, skip=TOP_LEVEL_KEYS), "sort": (SortOrder | None, False)}
+ENGINE_KEYS = {**keys_of(EngineArgs, skip=TOP_LEVEL_KEYS + ENGINE_ONLY_KEYS), "sort": (SortOrder | None, False)}
 
 # The job file's keys. A dataclass is a section built as that class, a dict a section read as a dict.
 JOB_KEYS = {
