@@ -149,7 +149,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
     log_kv_pool(plan)
     max_model_len = plan.max_model_len
     runner = ModelRunner(model, plan.kv_pool, plan.kv_layout, dtype.dtype, device, eos, args.attention_backend)
-    runner.lora_context = loaded.context if loaded is not None else None
+    if loaded is not None:
+        runner.lora_context = loaded.context
     if device.type == "cpu":  # after the weights and the KV cache, which stay mapped apart
         keep_step_memory()
     if attention.name == "triton" and device.type == "cuda":  # the kernels chosen above
