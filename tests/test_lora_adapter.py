@@ -69,21 +69,26 @@ def test_a_good_adapter_is_read_with_peft_scales(tmp_path, tiny_config):
     assert (module.layer, module.module, module.scale) == (0, "q_proj", 8.0)
 
 
-def test_rows_of_different_adapters_in_one_call_equal_their_merged_weights():
+@pytest.mark.parametrize("dense", [True, False], ids=["one-product-over-every-slot", "per-segment"])
+def test_rows_of_different_adapters_in_one_call_equal_their_merged_weights(dense):
     """A packed q/k/v projection, rows of the base (slot 0) and of two adapters interleaved in segments: each row
-    equals its own merged weight's product; an adapter that leaves k alone changes none of k's columns."""
+    equals its own merged weight's product; an adapter that leaves k alone changes none of k's columns. Both ways
+    of computing it (lora_linear.py): one product over every slot, and each segment's own."""
     torch.manual_seed(0)
     size_in, sizes = 32, [24, 8, 8]
     base = torch.nn.Linear(size_in, sum(sizes), bias=True)
     context = LoraContext()
-    lora = LoraLinear(base, context, sizes)
+    lora = LoraLinear(base, context, sizes, num_slots=3, rank=12, dtype=torch.float32)
+    lora.dense = dense
     adapters = {1: [(torch.randn(4, size_in), torch.randn(s, 4), 2.0) for s in sizes],
                 2: [(torch.randn(2, size_in), torch.randn(sizes[0], 2), 0.5), None,
                     (torch.randn(2, size_in), torch.randn(sizes[2], 2), 0.5)]}
+    lora.load(3, adapters[1])  # then replaced: a slot's earlier adapter leaves nothing behind
     for slot, parts in adapters.items():
-        lora.load(slot, parts, torch.float32)
+        lora.load(slot, parts)
+    lora.load(3, [None, None, None])  # an adapter that leaves this projection alone
     x = torch.randn(11, size_in)
-    context.segments = [(0, 3, 1), (3, 5, 0), (5, 9, 2), (9, 11, 1)]
+    context.set_segments([(0, 3, 1), (3, 5, 0), (5, 9, 2), (9, 10, 1), (10, 11, 3)])
     got = lora(x)
     for start, end, slot in context.segments:
         weight = base.weight.detach().clone()
@@ -95,9 +100,11 @@ def test_rows_of_different_adapters_in_one_call_equal_their_merged_weights():
             first += size
         want = torch.nn.functional.linear(x[start:end], weight, base.bias.detach())
         assert torch.allclose(got[start:end], want, atol=1e-5), (slot, (got[start:end] - want).abs().max())
-    assert torch.equal(got[5:9, 24:32], base(x[5:9])[:, 24:32])  # slot 2 leaves k's columns to the base
+    plain = base(x)
+    assert torch.equal(got[5:9, 24:32], plain[5:9, 24:32])  # slot 2 leaves k's columns to the base
+    assert torch.equal(got[10:11], plain[10:11])
     lora.unload(1)
-    context.segments = [(0, 11, 1)]
+    context.set_segments([(0, 11, 1)])
     assert torch.equal(lora(x), base(x))  # an unloaded slot: the base model
 
 
@@ -216,6 +223,40 @@ def test_rows_alternating_base_and_two_adapters_in_one_run_equal_the_merged_mode
     assert [results[1].token_ids, results[2].token_ids] != base  # the adapters change the outputs
 
 
+def test_more_adapters_than_max_loras_are_read_on_demand_and_give_the_same_tokens(tmp_path, tiny_llama_dir,
+                                                                                   tiny_config):
+    """Three adapters, rows of all three and the base interleaved: with max_loras 1 and 2 the adapters take turns in
+    the model's slots (read again from their directories, least recently used out first), never more in one step
+    than there are slots, and every row's tokens equal those of a run with all three resident."""
+    from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
+
+    adapters = {**adapters_for(tmp_path, tiny_config),
+                "third": str(write_adapter(tmp_path / "third", tiny_config, rank=16, alpha=8, seed=3))}
+    names = [None, "first", "second", "third"] * 3
+    prompts = [[5 + i, 17, 99, 3 + i, 250, 7][: 3 + i % 4] for i in range(len(names))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(max_loras):
+        engine = Engine(EngineArgs(model=str(tiny_llama_dir), dtype="float32", lora=adapters, max_loras=max_loras,
+                                   kv_cache_memory="64MiB"))
+        seen = []
+        assign = engine.adapters.assign
+        engine.adapters.assign = lambda step: seen.append(set(step)) or assign(step)
+        results = {}
+        for round in range(2):  # the second round needs again the adapters the first one ended without
+            results.update({(round, r.request_id): r.token_ids for r in engine.generate(
+                Request(i, prompt, params, lora=name) for i, (prompt, name) in enumerate(zip(prompts, names)))})
+        assert max(len(step) for step in seen) <= max_loras and len(engine.adapters.resident) == max_loras
+        return results, engine.adapters.num_loads
+
+    everything, loads = run(3)
+    assert loads == 3
+    for max_loras in (1, 2):
+        results, loads = run(max_loras)
+        assert results == everything, max_loras
+        assert loads > 3, max_loras  # adapters went out of their slots and came back
+
+
 def test_the_prefix_cache_never_shares_kv_across_adapters(tiny_llama_dir, two_adapters):
     from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
 
@@ -246,5 +287,6 @@ def test_an_adapter_that_does_not_fit_is_refused_before_the_model_loads(tmp_path
                           lora={"wide": str(write_adapter(tmp_path / "wide", wider))}))
     assert caught.value.key == "lora"
     assert "lora adapter 'wide': layers.0.q_proj: lora_A is [8, 128]" in str(caught.value)
-    with pytest.raises(SettingError, match="3 lora adapters but max_loras is 2"):
-        Engine(EngineArgs(model=str(tiny_llama_dir), lora={"a": "x", "b": "y", "c": "z"}, max_loras=2))
+    with pytest.raises(SettingError) as caught:
+        Engine(EngineArgs(model=str(tiny_llama_dir), lora={"a": str(tmp_path / "nowhere")}))
+    assert caught.value.key == "lora" and "lora adapter 'a'" in str(caught.value)

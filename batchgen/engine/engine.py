@@ -44,9 +44,10 @@ class Engine:
         self.context_limit = setup.context_limit  # which limit max_model_len is, e.g. "the KV cache holds N tokens"
         self.kv_cache_manager = KVCacheManager(self.kv_pool.num_blocks, args.block_size, args.enable_prefix_caching,
                                                self.kv_pool.local)
-        self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.adapters = setup.adapters  # lora.attach.AdapterSlots with EngineArgs.lora: names, salts, slots
+        self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
+                                   max_adapters=self.adapters.num_slots if self.adapters is not None else None)
         self.runner = setup.runner
-        self.adapters = setup.adapters  # lora.attach.LoadedAdapters with EngineArgs.lora: each name's slot and salt
         self.eos_token_ids = setup.eos_token_ids  # every token that ends generation, the model's own first
         self.task = args.task  # generate, or a prefill-only task (pooler.py): what every request returns
         self.classifier = classifier_of(self.model) if self.task == "classify" else None
@@ -75,7 +76,7 @@ class Engine:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         adapter = self._adapter(request.lora)
         if adapter is None:
-            known = ", ".join(sorted(self.adapters.identities)) if self.adapters else "none"
+            known = ", ".join(sorted(self.adapters.sources)) if self.adapters else "none"
             self._rejected.append(self.output.error(request, f"lora adapter {request.lora!r} is not loaded "
                                                              f"(loaded: {known})"))
             return
@@ -106,7 +107,7 @@ class Engine:
             self.scheduler.add(seq)
 
     def _adapter(self, name: str | None) -> AdapterIdentity | None:
-        """The slot and prefix-cache salt of LoRA adapter `name` (None: the base model); None if not loaded."""
+        """The name and prefix-cache salt of LoRA adapter `name` (None: the base model); None if not known."""
         if name is None:
             return BASE_MODEL
         return self.adapters.identity(name) if self.adapters is not None else None

@@ -63,7 +63,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphRunner | None = None  # set at startup on CUDA: decode-only steps
         self.classifier_head: torch.nn.Module | None = None  # task classify: the model's `score` (pooler.py)
-        self.lora_context = None  # lora.LoraContext with adapters: each step's rows by adapter slot, set here
+        self.lora_slots = None  # lora.AdapterSlots with adapters: puts each step's adapters in the model's slots
         # The global group's cache (every layer's, without a local group) and the local group's.
         self.kv = GroupCache(model, len(layout.global_layers), pool.num_blocks, pool.block_size, dtype, device)
         self.local_kv = None if pool.local is None else GroupCache(
@@ -133,13 +133,16 @@ class ModelRunner:
         positions of SCORE sequences, keep what POOL sequences pool."""
         # Decodes (one new token) first: the attention backends batch them together. Then, within each, the rows of
         # one LoRA adapter together: its product runs once over them (lora_linear.py).
-        batch = sorted(scheduled.items(), key=lambda item: (item[1] != 1, item[0].adapter.slot))
+        slots = {}
+        if self.lora_slots is not None:
+            slots = self.lora_slots.assign({seq.adapter.name for seq in scheduled if seq.adapter.name is not None})
+        batch = sorted(scheduled.items(), key=lambda item: (item[1] != 1, slots.get(item[0].adapter.name, 0)))
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.run(batch)
         else:
             input_ids, positions, metadata = self._prepare(batch)
-            if self.lora_context is not None:
-                self.lora_context.segments = adapter_segments(batch)
+            if self.lora_slots is not None:
+                self.lora_slots.context.set_segments(adapter_segments(batch, slots))
             hidden = self.model(input_ids, positions, metadata)
 
         rows, sampling_seqs = [], []  # the last row of each sequence that samples
@@ -229,11 +232,12 @@ def _top(logprobs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
 
 
-def adapter_segments(batch: list[tuple[Sequence, int]]) -> list[tuple[int, int, int]]:
-    """(first row, end row, adapter slot) of each run of rows of one adapter, in the batch's order."""
+def adapter_segments(batch: list[tuple[Sequence, int]], slots: dict[str, int]) -> list[tuple[int, int, int]]:
+    """(first row, end row, adapter slot) of each run of rows of one adapter, in the batch's order; `slots`: each
+    adapter's slot this step (the base model's is 0)."""
     segments, row = [], 0
     for seq, n in batch:
-        slot = seq.adapter.slot
+        slot = slots.get(seq.adapter.name, 0)
         if segments and segments[-1][2] == slot:
             segments[-1] = (segments[-1][0], row + n, slot)
         else:

@@ -20,6 +20,9 @@ at the tail of `running`. It lets go of its blocks once its last fork has starte
 Only when nothing else can give blocks back (the sequence that needs them is the last one running, or none runs)
 does a held PREFIX give its blocks back: it is requeued behind the waiting sequences and starts its remaining forks
 once recomputed (from the prefix cache, where its blocks are still there).
+With LoRA adapters, a step holds at most `max_adapters` of them (the model's slots, lora/attach.py): a waiting
+sequence whose adapter would be one too many is passed over, and admitted in order once a slot's adapter has no
+running sequence left.
 """
 from __future__ import annotations
 
@@ -59,8 +62,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_adapters: int | None = None) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.max_adapters = max_adapters  # LoRA adapters in one step at most (the model's slots); None: no adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_live_forks = max_num_seqs  # a fanned-out request's forks running at once: one wave
@@ -101,10 +106,16 @@ class Scheduler:
             index += 1
 
         if not out.preempted:  # blocks are short: admitting now would only preempt again
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
+            adapters = self._adapters_in_use()
+            position = 0  # the first waiting sequence not passed over for its adapter
+            while position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[position]
                 if self.running and len(self.running) + self._seqs_when_running(seq) > self.max_num_seqs:
                     break
+                name = seq.adapter.name
+                if name is not None and name not in adapters and len(adapters) >= (self.max_adapters or 0):
+                    position += 1  # its adapter would need a slot that the running adapters hold: it waits its turn
+                    continue
                 hit = self.kv_cache_manager.get_computed_blocks(seq)
                 num_hit_tokens = hit.num_tokens
                 num_new = min(seq.num_tokens - num_hit_tokens, budget)
@@ -113,7 +124,9 @@ class Scheduler:
                         break
                     self._release_held()  # nothing runs: only a held PREFIX's blocks can make room
                     continue
-                self.waiting.popleft()
+                del self.waiting[position]
+                if name is not None:
+                    adapters.add(name)
                 seq.num_computed_tokens = num_hit_tokens
                 seq.status = SequenceStatus.RUNNING
                 if seq.num_cached_tokens < 0:
@@ -125,6 +138,12 @@ class Scheduler:
                 out.num_scheduled_tokens[seq] = num_new
                 budget -= num_new
         return out
+
+    def _adapters_in_use(self) -> set[str]:
+        """The adapters of the running sequences and of held PREFIXes (whose forks start without admission)."""
+        if self.max_adapters is None:
+            return set()
+        return {seq.adapter.name for seq in (*self.running, *self.held) if seq.adapter.name is not None}
 
     def _seqs_when_running(self, seq: Sequence) -> int:
         """Sequences `seq` occupies once computed: a PREFIX becomes its next wave of forks."""

@@ -71,10 +71,11 @@ class BlockIds:
 
 @dataclass(frozen=True)
 class AdapterIdentity:
-    """A sequence's LoRA adapter (lora/attach.py): its slot in the model's LoraLinears, and the salt its prefix-cache
-    keys start from, so that KV computed under one adapter is never found by another's (or the base's) prompt."""
+    """A sequence's LoRA adapter (lora/attach.py): its name (None: the base model), and the salt its prefix-cache
+    keys start from, so that KV computed under one adapter is never found by another's (or the base's) prompt. The
+    adapter's slot in the model is given at each step (lora.AdapterSlots): an adapter may move between slots."""
 
-    slot: int = 0
+    name: str | None = None
     salt: bytes | None = None
 
 

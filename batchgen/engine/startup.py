@@ -53,7 +53,7 @@ class EngineSetup:
     eos_token_ids: list[int]
     runner: ModelRunner
     model_dir: Any = None  # the resolved model directory (a pooled model's sentence-transformers files: pooler.py)
-    adapters: Any = None  # lora.attach.LoadedAdapters with EngineArgs.lora, else None
+    adapters: Any = None  # lora.attach.AdapterSlots with EngineArgs.lora, else None
 
     @property
     def device(self) -> torch.device:
@@ -141,7 +141,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
         description = describe_model(model_dir, model_impl=args.model_impl)
         check_attention_shape(args, device, dtype.dtype, description)
         adapters = read_lora(args, description)
-    loaded = attach_lora(model, adapters, dtype.dtype) if adapters else None
+    loaded = attach_lora(model, adapters, description, args.max_loras, dtype.dtype, device) if adapters else None
     # Sizing on CUDA runs a profiling step on a throwaway cache; the runner binds the real one after it.
     plan = plan_engine(args, description, lambda: profile_step(
         model, args.max_num_batched_tokens, args.max_num_seqs, args.block_size, args.attention_backend),
@@ -150,7 +150,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
     max_model_len = plan.max_model_len
     runner = ModelRunner(model, plan.kv_pool, plan.kv_layout, dtype.dtype, device, eos, args.attention_backend)
     if loaded is not None:
-        runner.lora_context = loaded.context
+        runner.lora_slots = loaded
     if device.type == "cpu":  # after the weights and the KV cache, which stay mapped apart
         keep_step_memory()
     if attention.name == "triton" and device.type == "cuda":  # the kernels chosen above
@@ -165,7 +165,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
                        loaded)
 
 
-def read_lora(args: EngineArgs, description) -> list | None:
+def read_lora(args: EngineArgs, description):
     """EngineArgs.lora's adapters, read and checked against the base model (SettingError lora); None without."""
     if not args.lora:
         return None
@@ -178,20 +178,22 @@ def read_lora(args: EngineArgs, description) -> list | None:
     if args.task != "generate":
         raise SettingError("lora", f"lora adapters apply to task generate, not {args.task}")
     try:
-        return read_adapters(args.lora, BaseShape.of(description))
+        return read_adapters(args.lora, BaseShape.of(description), args.max_loras)
     except AdapterError as exc:
         raise SettingError("lora", str(exc)) from None
 
 
-def attach_lora(model: torch.nn.Module, adapters: list, dtype: torch.dtype):
+def attach_lora(model: torch.nn.Module, checked, description, max_loras: int, dtype: torch.dtype,
+                device: torch.device):
+    from batchgen.lora import BaseShape
     from batchgen.lora.attach import attach
 
     try:
-        loaded = attach(model, adapters, dtype)
+        loaded = attach(model, checked, BaseShape.of(description), dtype, device)
     except ValueError as exc:
         raise SettingError("lora", str(exc)) from None
-    logger.info("lora: %d adapters (%s), %.1f MiB", len(adapters), ", ".join(a.name for a in adapters),
-                loaded.nbytes / 2**20)
+    logger.info("lora: %d adapters (%s), %d resident at once (max_loras %d), %.1f MiB", len(checked.sources),
+                ", ".join(checked.sources), loaded.num_slots, max_loras, loaded.nbytes / 2**20)
     return loaded
 
 

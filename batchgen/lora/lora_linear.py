@@ -1,9 +1,16 @@
-"""LoRA applied per row in a batch: the base projection once for every row, then each adapter's low-rank product
-on its own rows only (Punica/S-LoRA's segmented products, in torch), never a merged copy of the base.
+"""LoRA applied per row in a batch: the base projection once for every row, then each row's adapter's low-rank
+product (Punica/S-LoRA's batched LoRA), never a merged copy of the base.
 
-The rows of one step arrive grouped by adapter (`LoraContext.segments`: start, end, slot), which the caller sets
-before each forward; slot 0 is the base model (no adapter). A packed projection (q/k/v in one matrix, gate/up in
-one) gets each part's delta in its own columns: x @ A_parts.T once for the rows, then each part's B."""
+Every LoraLinear holds `num_slots` adapter slots, each `rank` rows of one stacked A ([slots * rank, in]) and of one
+stacked B ([slots * rank, out]); slot s (1, 2, ...) owns rows (s - 1) * rank .. s * rank, and slot 0 is the base
+model (no rows). A packed projection (q/k/v in one matrix, gate/up in one) keeps each part's A rows one after the
+other in its slot, and each part's B (its scale folded in) only under that part's output columns, zeros elsewhere:
+one x @ A.T and one @ B per slot reach every part.
+
+The rows of one step arrive grouped by slot (`LoraContext.segments`: start, end, slot), set before each forward.
+Two ways to the same sum: with few slots, one product over every slot (x @ A_all.T, each row's other slots'
+columns zeroed, then @ B_all) is two matmuls whatever the number of adapters in the step, the fastest on a CPU;
+with many, each segment's own two products."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,57 +18,88 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+# Above this many stacked rank columns per input feature, one product over every slot costs more than it saves in
+# calls: each segment's own products instead.
+DENSE_MAX_FRACTION = 0.25
+
+
 @dataclass
 class LoraContext:
     """What every LoraLinear of a model reads at each forward: the step's rows by adapter slot."""
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (first row, end row, slot); slot 0: base
+    _masks: dict = field(default_factory=dict, repr=False)  # (rank, slots, device, dtype) -> the step's row mask
 
+    def set_segments(self, segments: list[tuple[int, int, int]]) -> None:
+        self.segments = segments
+        self._masks.clear()
 
-@dataclass
-class SlotWeights:
-    """One adapter's weights for one (packed) projection: its parts' A stacked, and each part's B with its scale
-    folded in, placed at the part's output columns."""
-
-    a: torch.Tensor  # [sum of the parts' ranks, in]
-    parts: list[tuple[int, int, int, int, torch.Tensor]]  # (first column, end column, first rank, end rank, B)
+    def row_mask(self, rank: int, num_slots: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, num_slots * rank]: 1 in each row's own slot's columns, 0 elsewhere (and everywhere for slot 0)."""
+        key = (rank, num_slots, device, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            rows = self.segments[-1][1] if self.segments else 0
+            mask = torch.zeros(rows, num_slots * rank, dtype=dtype)
+            for start, end, slot in self.segments:
+                if slot:
+                    mask[start:end, (slot - 1) * rank:slot * rank] = 1
+            mask = self._masks[key] = mask.to(device)
+        return mask
 
 
 class LoraLinear(nn.Module):
     """A base projection (any module: nn.Linear, PackedLinear, Int8Linear, ...) plus per-slot low-rank deltas."""
 
-    def __init__(self, base: nn.Module, context: LoraContext, part_sizes: list[int]) -> None:
+    def __init__(self, base: nn.Module, context: LoraContext, part_sizes: list[int], num_slots: int, rank: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        """part_sizes: each part's output size, in layout order; rank: the most rank rows an adapter's parts take
+        together (at most its rank times the parts)."""
         super().__init__()
         self.base = base
         self.context = context
-        self.part_sizes = part_sizes  # each part's output size, in layout order
-        self.slots: dict[int, SlotWeights] = {}
+        self.part_sizes = part_sizes
+        self.num_slots, self.rank = num_slots, rank
+        size_in = getattr(base, "in_features", None) or base.weight.shape[1]
+        self.register_buffer("a", torch.zeros(num_slots * rank, size_in, dtype=dtype, device=device), False)
+        self.register_buffer("b", torch.zeros(num_slots * rank, sum(part_sizes), dtype=dtype, device=device), False)
+        self.loaded: set[int] = set()  # slots holding an adapter that changes this projection
+        self.dense = num_slots * rank <= DENSE_MAX_FRACTION * size_in
 
-    def load(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor, float] | None], dtype: torch.dtype) -> None:
-        """Put an adapter in `slot`: per part (a [r, in], b [out, r], scale), or None where it leaves a part as is."""
-        present = [(i, part) for i, part in enumerate(parts) if part is not None]
-        if not present:
-            self.slots.pop(slot, None)
-            return
-        starts = [sum(self.part_sizes[:i]) for i in range(len(self.part_sizes))]
-        a_rows, laid, rank = [], [], 0
-        for i, (a, b, scale) in present:
-            a_rows.append(a)
-            laid.append((starts[i], starts[i] + self.part_sizes[i], rank, rank + a.shape[0],
-                         (b * scale).to(dtype).contiguous()))
-            rank += a.shape[0]
-        self.slots[slot] = SlotWeights(torch.cat(a_rows).to(dtype).contiguous(), laid)
+    def load(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor, float] | None]) -> None:
+        """Put an adapter in `slot` (1 ..): per part (a [r, in], b [out, r], scale), or None where it leaves a part
+        as the base has it."""
+        rows = slice((slot - 1) * self.rank, slot * self.rank)
+        self.a[rows] = 0
+        self.b[rows] = 0
+        first_column = rank = 0
+        for size, part in zip(self.part_sizes, parts):
+            if part is not None:
+                a, b, scale = part
+                r = a.shape[0]
+                if rank + r > self.rank:
+                    raise ValueError(f"an adapter of rank {rank + r} in a slot of rank {self.rank}")
+                self.a[rows][rank:rank + r] = a
+                self.b[rows][rank:rank + r, first_column:first_column + size] = (b * scale).T
+                rank += r
+            first_column += size
+        if rank:
+            self.loaded.add(slot)
+        else:
+            self.loaded.discard(slot)
 
     def unload(self, slot: int) -> None:
-        self.slots.pop(slot, None)
+        self.loaded.discard(slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for start, end, slot in self.context.segments:
-            weights = self.slots.get(slot)
-            if weights is None or start == end:
-                continue
-            low = x[start:end] @ weights.a.T  # [rows, sum of ranks]
-            for first, last, r0, r1, b in weights.parts:
-                out[start:end, first:last] += low[:, r0:r1] @ b.T
+        segments = [s for s in self.context.segments if s[2] in self.loaded and s[0] < s[1]]
+        if not segments:
+            return out
+        if self.dense and len(segments) > 1:
+            low = (x @ self.a.T) * self.context.row_mask(self.rank, self.num_slots, x.device, x.dtype)
+            return out.addmm_(low, self.b)
+        for start, end, slot in segments:
+            rows = slice((slot - 1) * self.rank, slot * self.rank)
+            out[start:end].addmm_(x[start:end] @ self.a[rows].T, self.b[rows])
         return out
