@@ -5,7 +5,9 @@ It writes the report of every case of the engine's matrix and of the planted bug
 define, and with --specialisations the variants a realistic run compiles: after the engine's warm-up, then after
 a sequence of eager and CUDA-graph steps on a Llama-3.2-1B-shaped model whose first layer has a sliding window, as
 Gemma 3's local layers do (on the meta device, 132 SMs as an H200); and the MoE experts' grouped matmul
-(triton_moe.py) through grouped_experts at Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes, in bf16 and fp16.
+(triton_moe.py) through grouped_experts at Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes, in bf16 and fp16; and
+the per-row LoRA deltas (triton_lora.py) through lora_delta at SmolLM2-135M's projections (rank 8 per part) in bf16
+and fp16, and at the widest shape the kernel takes (rank triton_lora.MAX_RANK, 16,384 features in and out).
 """
 from __future__ import annotations
 
@@ -23,16 +25,26 @@ from triton.runtime.jit import JITFunction
 from batchgen.engine.cuda_graphs import DecodeGraphRunner
 from batchgen.engine.kernel_warmup import warm_up_attention
 from batchgen.models.registry import build_model
-from batchgen_kernels import AttentionMetadata, triton_aot, triton_decode, triton_moe, triton_prefill, triton_store
+from batchgen_kernels import (AttentionMetadata, triton_aot, triton_decode, triton_lora, triton_moe, triton_prefill,
+                              triton_store)
 from batchgen_kernels.elementwise import TorchElementwise
 from batchgen_kernels.triton_common import triton_error_reason
 
 KERNEL_MODULES = (triton_store, triton_decode, triton_prefill)  # attention: the engine's matrix, the specialisations
 MOE_MODULES = (triton_moe,)
+LORA_MODULES = (triton_lora,)
 # (hidden, expert intermediate, experts, top-k, fp32 routing weights)
 MOE_SHAPES = {"Mixtral-8x7B": (4096, 14336, 8, 2, True), "Qwen3-30B-A3B": (2048, 768, 128, 8, False)}
 # Steps of 1 to 4,096 tokens: decode-sized ones (16-row blocks) and prefill-sized ones (64-row blocks)
 MOE_TOKENS = (1, 3, 8, 16, 100, 511, 512, 4096)
+# LoRA: (in, out, slot rank) per projection. SmolLM2-135M (hidden 576, q 576, k/v 192, intermediate 1,536) with
+# rank 8 adapters on every module: q/k/v packed (3 parts), o, gate/up packed (2), down; and the widest shape.
+LORA_SHAPES = {"SmolLM2-135M": ((576, 576 + 2 * 192, 3 * 8), (576, 576, 8), (576, 2 * 1536, 2 * 8), (1536, 576, 8)),
+               "widest": ((16384, 16384, triton_lora.MAX_RANK),)}
+LORA_CASES = (("bfloat16", "SmolLM2-135M"), ("float16", "SmolLM2-135M"), ("bfloat16", "widest"), ("float32", "widest"))
+LORA_SLOTS = 4
+# Steps of 1 to 4,096 rows: decode-sized (16-row blocks, the input features split) and prefill-sized
+LORA_ROWS = (1, 3, 16, 63, 64, 100, 511, 4096)
 MAX_MODEL_LEN = 131072  # Llama 3's context: what the CUDA graphs' metadata holds
 WINDOW = 512  # Gemma 3's sliding window: a multiple of 16, which Triton would specialise on
 BLOCK_SIZE = 16
@@ -41,7 +53,8 @@ H200_SMS = 132
 
 def defined_kernels() -> list[str]:
     """Every kernel the Triton modules define (their helpers live in triton_common)."""
-    return sorted(fn.fn.__name__ for module in KERNEL_MODULES + MOE_MODULES for fn in vars(module).values()
+    return sorted(fn.fn.__name__ for module in KERNEL_MODULES + MOE_MODULES + LORA_MODULES
+                  for fn in vars(module).values()
                   if isinstance(fn, JITFunction) and fn.fn.__module__ == module.__name__)
 
 
@@ -151,20 +164,56 @@ def moe_reports(target: triton_aot.Target) -> list[dict]:
                                                    TorchElementwise.silu_mul)
             except Exception as exc:  # noqa: BLE001 -- a compile error is the finding
                 report["problems"].append(f"does not compile: {type(exc).__name__}: {triton_error_reason(exc)}")
-            seen = set()
-            for name, kernel in launched:
-                if kernel.hash not in seen:
-                    seen.add(kernel.hash)
-                    variant = triton_aot.analyse(name, kernel)
-                    report["variants"].append(dataclasses.asdict(variant))
-                    if variant.shared > target.shared_memory:
-                        report["problems"].append(f"{name} needs {variant.shared:,} bytes of shared memory, more "
-                                                  f"than the {target.shared_memory:,} of {target.name}")
-                    if not variant.tensor_cores:
-                        report["problems"].append(f"{name} has no tensor-core instruction (wgmma / mma)")
-                    if variant.spill_bytes:
-                        report["problems"].append(f"{name} spills registers: {variant.spill_bytes} bytes of stack")
+            check_variants(report, launched, target, sixteen_bit=True)
             reports.append(report)
+    return reports
+
+
+def check_variants(report: dict, launched: list, target: triton_aot.Target, sixteen_bit: bool) -> None:
+    """Each distinct compiled kernel into report["variants"], checked as the attention's dot kernels are: within
+    the target's shared memory (else a problem: the case fails); in 16-bit on tensor cores and without spills (else
+    a problem); in fp32 (IEEE: no tensor cores) spills are a note."""
+    seen = set()
+    for name, kernel in launched:
+        if kernel.hash in seen:
+            continue
+        seen.add(kernel.hash)
+        variant = triton_aot.analyse(name, kernel)
+        report["variants"].append(dataclasses.asdict(variant))
+        if variant.shared > target.shared_memory:
+            report["problems"].append(f"{name} needs {variant.shared:,} bytes of shared memory, more "
+                                      f"than the {target.shared_memory:,} of {target.name}")
+        if sixteen_bit and not variant.tensor_cores:
+            report["problems"].append(f"{name} has no tensor-core instruction (wgmma / mma)")
+        if variant.spill_bytes:
+            (report["problems"] if sixteen_bit else report["notes"]).append(
+                f"{name} spills registers: {variant.spill_bytes} bytes of stack")
+
+
+def lora_reports(target: triton_aot.Target) -> list[dict]:
+    """lora_delta compiled for `target` on meta tensors (nothing read back to the host) for each of LORA_CASES:
+    every projection of the shape, at every step size of LORA_ROWS, with rows of LORA_SLOTS slots. Checked as the
+    MoE kernel is (16-bit: tensor cores, no spills; fp32: spills noted, no tensor cores: IEEE fp32)."""
+    reports = []
+    meta = torch.device("meta")
+    for dtype_name, shape in LORA_CASES:
+        dtype = getattr(torch, dtype_name)
+        report = {"case": f"{dtype_name} {shape}", "variants": [], "problems": [], "notes": []}
+        launched = []
+        try:
+            with triton_aot.compile_only(target) as launched:
+                for size_in, size_out, rank in LORA_SHAPES[shape]:
+                    a = torch.empty(LORA_SLOTS * rank, size_in, dtype=dtype, device=meta)
+                    b = torch.empty(LORA_SLOTS * rank, size_out, dtype=dtype, device=meta)
+                    for rows in LORA_ROWS:
+                        x = torch.empty(rows, size_in, dtype=dtype, device=meta)
+                        out = torch.empty(rows, size_out, dtype=dtype, device=meta)
+                        row_slots = torch.empty(rows, dtype=torch.int32, device=meta)
+                        triton_lora.lora_delta(x, a, b, row_slots, LORA_SLOTS, rank, out)
+        except Exception as exc:  # noqa: BLE001 -- a compile error is the finding
+            report["problems"].append(f"does not compile: {type(exc).__name__}: {triton_error_reason(exc)}")
+        check_variants(report, launched, target, sixteen_bit=dtype != torch.float32)
+        reports.append(report)
     return reports
 
 
@@ -180,7 +229,7 @@ def main() -> None:
         return [dataclasses.asdict(triton_aot.compile_case(case, target)) for case in cases]
 
     report = {"target": target.name, "defined_kernels": defined_kernels(), "cases": compiled(triton_aot.engine_cases()),
-              "planted": compiled(triton_aot.PLANTED), "moe": moe_reports(target)}
+              "planted": compiled(triton_aot.PLANTED), "moe": moe_reports(target), "lora": lora_reports(target)}
     if args.specialisations:
         report["specialisations"] = specialisations(target)
         specialise_everything()

@@ -29,6 +29,11 @@ VARIANT_BOUND = {"_store_kv_kernel": 1, "_decode_split_kernel": 2, "_decode_redu
 # The MoE experts' grouped matmul (triton_moe.py): gate/up and down, each in 16-row and 64-row blocks, per model
 # shape and dtype, whatever the step's token count.
 MOE_VARIANTS = {"_grouped_matmul_kernel": 4}
+# The LoRA deltas (triton_lora.py): the shrink and the expand, each in decode-sized and prefill-sized blocks, per
+# chunk of rank columns (SmolLM2's slots of rank 8 and 16 take chunks of 16, its q/k/v slot of 24 one of 32; the
+# widest rank chunks of 64), whatever the step's row count.
+LORA_VARIANTS = {"SmolLM2-135M": {"_lora_shrink_kernel": 4, "_lora_expand_kernel": 4},
+                 "widest": {"_lora_shrink_kernel": 2, "_lora_expand_kernel": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +67,18 @@ def describe(report: dict) -> str:
 def test_every_kernel_compiles_within_the_target_s_limits(reports, target):
     failures = [f"{describe(r)}: {'; '.join(r['problems'])}" for r in reports[target]["cases"] if r["problems"]]
     assert not failures, "\n".join(failures)
-    compiled = {v["kernel"] for r in reports[target]["cases"] + reports[target]["moe"] for v in r["variants"]}
-    assert compiled == set(reports[target]["defined_kernels"]) == set(VARIANT_BOUND) | set(MOE_VARIANTS)
+    compiled = {v["kernel"] for kind in ("cases", "moe", "lora") for r in reports[target][kind] for v in r["variants"]}
+    assert compiled == set(reports[target]["defined_kernels"]) == (set(VARIANT_BOUND) | set(MOE_VARIANTS)
+                                                                   | set(LORA_VARIANTS["widest"]))
+
+
+def variant_counts(target: str, report: dict) -> dict[str, int]:
+    """Compiled variants per kernel of a runner's MoE or LoRA report, which must have no problem."""
+    assert not report["problems"], f"{target} {report['case']}: {'; '.join(report['problems'])}"
+    counts: dict[str, int] = {}
+    for v in report["variants"]:
+        counts[v["kernel"]] = counts.get(v["kernel"], 0) + 1
+    return counts
 
 
 @pytest.mark.parametrize("target, instruction", [("sm_90", "wgmma"), ("sm_80", "mma")])
@@ -76,12 +91,26 @@ def test_the_moe_kernel_compiles_for_mixtral_and_qwen3_moe_shapes(reports, targe
     assert [r["case"] for r in moe] == ["bfloat16 Mixtral-8x7B", "bfloat16 Qwen3-30B-A3B", "float16 Mixtral-8x7B",
                                         "float16 Qwen3-30B-A3B"]
     for report in moe:
-        assert not report["problems"], f"{target} {report['case']}: {'; '.join(report['problems'])}"
-        counts = {}
-        for v in report["variants"]:
-            counts[v["kernel"]] = counts.get(v["kernel"], 0) + 1
-        assert counts == MOE_VARIANTS, (report["case"], counts)
+        assert variant_counts(target, report) == MOE_VARIANTS, report["case"]
         assert {v["tensor_cores"] for v in report["variants"]} == {instruction, "mma"}, report["case"]
+
+
+@pytest.mark.parametrize("target, instruction", [("sm_90", "wgmma"), ("sm_80", "mma")])
+def test_the_lora_kernels_compile_for_smollm2_and_the_widest_shape(reports, target, instruction):
+    """bf16 and fp16 at SmolLM2-135M's projections with rank 8 adapters (q/k/v packed: a slot of rank 24; gate/up:
+    16; o and down: 8), bf16 and fp32 at the widest shape lora_delta takes (rank MAX_RANK, 16,384 features in and
+    out), steps of 1 to 4,096 rows: within the target's shared memory, and in 16-bit on tensor cores without spills
+    (the runner's checks), and no variant per step size. sm_90's 64-row shrink gets wgmma, the rest mma.sync; fp32
+    multiplies in IEEE fp32, off tensor cores (its spills are recorded, as the attention's are)."""
+    lora = reports[target]["lora"]
+    assert [r["case"] for r in lora] == ["bfloat16 SmolLM2-135M", "float16 SmolLM2-135M", "bfloat16 widest",
+                                         "float32 widest"]
+    for report in lora:
+        assert variant_counts(target, report) == LORA_VARIANTS[report["case"].split()[1]], report["case"]
+        found = {v["tensor_cores"] for v in report["variants"]}
+        assert found == ({""} if report["case"].startswith("float32") else {instruction, "mma"}), report["case"]
+        if report["notes"]:  # fp32's spills, for the record
+            print(f"{target} {report['case']}: {'; '.join(report['notes'])}")
 
 
 @pytest.mark.parametrize("target, instruction", [("sm_90", "wgmma"), ("sm_80", "mma")])

@@ -10,7 +10,8 @@ one x @ A.T and one @ B per slot reach every part.
 The rows of one step arrive grouped by slot (`LoraContext.segments`: start, end, slot), set before each forward.
 Two ways to the same sum: with few slots, one product over every slot (x @ A_all.T, each row's other slots'
 columns zeroed, then @ B_all) is two matmuls whatever the number of adapters in the step, the fastest on a CPU;
-with many, each segment's own two products."""
+with many, each segment's own two products. On CUDA, a Triton kernel (batchgen_kernels/triton_lora.py): every
+row's own slot's product in two launches, from each row's slot (`LoraContext.row_slots`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,10 +30,26 @@ class LoraContext:
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (first row, end row, slot); slot 0: base
     _masks: dict = field(default_factory=dict, repr=False)  # (rank, slots, device, dtype) -> the step's row mask
+    _slots: dict = field(default_factory=dict, repr=False)  # (device, slots kept) -> the step's row slots
 
     def set_segments(self, segments: list[tuple[int, int, int]]) -> None:
         self.segments = segments
         self._masks.clear()
+        self._slots.clear()
+
+    def row_slots(self, device: torch.device, keep: frozenset[int]) -> torch.Tensor:
+        """[rows] int32: each row's slot, 0 for slot 0 and for a slot not in `keep` (one that leaves the
+        projection as the base has it), on `device`, once per step: the Triton kernel's input."""
+        key = (device, keep)
+        slots = self._slots.get(key)
+        if slots is None:
+            rows = self.segments[-1][1] if self.segments else 0
+            slots = torch.zeros(rows, dtype=torch.int32)
+            for start, end, slot in self.segments:
+                if slot in keep:
+                    slots[start:end] = slot
+            slots = self._slots[key] = slots.to(device)
+        return slots
 
     def row_mask(self, rank: int, num_slots: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """[rows, num_slots * rank]: 1 in each row's own slot's columns, 0 elsewhere (and everywhere for slot 0)."""
@@ -96,6 +113,12 @@ class LoraLinear(nn.Module):
         segments = [s for s in self.context.segments if s[2] in self.loaded and s[0] < s[1]]
         if not segments:
             return out
+        delta = _triton_lora_delta(self.rank, x.dtype) if x.is_cuda else None
+        if delta is not None:  # on CUDA, every slot's rows in two launches (triton_lora.py)
+            row_slots = self.context.row_slots(x.device, frozenset(slot for _, _, slot in segments))
+            delta(x.reshape(-1, x.shape[-1]), self.a, self.b, row_slots, self.num_slots, self.rank,
+                  out.view(-1, out.shape[-1]))
+            return out
         if self.dense and len(segments) > 1:
             low = (x @ self.a.T) * self.context.row_mask(self.rank, self.num_slots, x.device, x.dtype)
             return out.addmm_(low, self.b)
@@ -103,3 +126,13 @@ class LoraLinear(nn.Module):
             rows = slice((slot - 1) * self.rank, slot * self.rank)
             out[start:end].addmm_(x[start:end] @ self.a[rows].T, self.b[rows])
         return out
+
+
+def _triton_lora_delta(rank: int, dtype: torch.dtype):
+    """batchgen_kernels.triton_lora.lora_delta where it takes slots of this rank in this dtype; None where it does
+    not, or Triton cannot be imported (then the torch products above run, on CUDA too)."""
+    try:
+        from batchgen_kernels import triton_lora
+    except ImportError:
+        return None
+    return triton_lora.lora_delta if triton_lora.unsupported_reason(rank, dtype) is None else None
