@@ -123,8 +123,12 @@ def run(job: str, overrides: tuple[str, ...], **options: Any) -> None:
 @click.option("-o", "--output-file", "results", required=True, metavar="RESULTS.jsonl",
               help="Where the answered requests go; failed ones go to RESULTS.errors.jsonl.")
 @click.option("--model", default="default", show_default=True, help="The model that answers every request.")
+@click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=ADAPTER",
+              help="A LoRA adapter (a PEFT directory, a hub id or s3:// prefix) that answers the requests whose body "
+                   "names NAME as its model; repeat for more (as vllm run-batch's --lora-modules).")
 @run_options
-def run_batch(requests: str, results: str, model: str, overrides: tuple[str, ...], **options: Any) -> None:
+def run_batch(requests: str, results: str, model: str, lora_modules: tuple[str, ...], overrides: tuple[str, ...],
+              **options: Any) -> None:
     """Run an OpenAI Batch file as `vllm run-batch` does, as a batchgen job (its work directory:
     RESULTS.jsonl.batchgen/); re-running the same command resumes it."""
     from batchgen.job import parse_job
@@ -132,7 +136,7 @@ def run_batch(requests: str, results: str, model: str, overrides: tuple[str, ...
     from batchgen.job.run_batch import assemble, batch_job
 
     def load(extra: tuple[str, ...]):
-        raw = batch_job(requests, results, model)
+        raw = batch_job(requests, results, model, lora_modules)
         for item in (*overrides, *extra):
             apply_override(raw, item)
         return parse_job(raw)

@@ -10,7 +10,7 @@ import yaml
 
 from batchgen.engine import EngineArgs, SamplingParams
 from batchgen.engine.errors import SettingError
-from batchgen.job.config import (ENGINE_KEYS, ENGINE_ONLY_KEYS, JOB_SAMPLING_DEFAULTS, TOP_LEVEL_KEYS,
+from batchgen.job.config import (ENGINE_KEYS, JOB_SAMPLING_DEFAULTS, TOP_LEVEL_KEYS,
                                  JobConfigError, load_job, parse_job, template_columns)
 from batchgen.job.job_file import apply_override
 
@@ -232,7 +232,7 @@ def test_sampling_params_carry_the_job_values():
 
 def test_engine_keys_are_engine_args_fields_with_their_defaults():
     assert list(ENGINE_KEYS) == [f.name for f in dataclasses.fields(EngineArgs)
-                                 if f.name not in TOP_LEVEL_KEYS + ENGINE_ONLY_KEYS] + ["sort"]  # input.sort's old name
+                                 if f.name not in TOP_LEVEL_KEYS] + ["sort"]  # input.sort's old name
     assert job().engine == EngineArgs()
     config = job(model="m.gguf", dtype="float32", device="cpu", engine={"max_num_seqs": 8})
     assert config.engine == EngineArgs(model="m.gguf", dtype="float32", device="cpu", max_num_seqs=8)

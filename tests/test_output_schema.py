@@ -59,7 +59,7 @@ def test_schema_follows_the_columns():
     schema = output_schema(pa.string(), [("tag", pa.int32())])
     assert schema.names == [c.name for c in ALWAYS] + ["tag"]
     assert set(OUTPUT_COLUMNS) - set(schema.names) == {
-        "sample_index", "choice_probs", "logprobs", "top_logprobs", "json", "replica",  # the conditional ones
+        "sample_index", "choice_probs", "logprobs", "top_logprobs", "json", "lora", "replica",  # the conditional ones
         "embedding", "label", "probs", "score", "logprob_sum", "num_scored_tokens", "perplexity", "token_logprobs",
         "num_truncated_tokens"}  # and the other tasks' (tests/test_task_config.py)
     assert schema.field("id").type == pa.string()

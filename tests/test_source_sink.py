@@ -259,7 +259,7 @@ def result(i, finish="stop", prompt=4, output=3, cached=0, t0=1_700_000_000.0):
 
 SCHEMA = output_schema(pa.string(), [("tag", pa.int32())])
 # not asked for by SCHEMA's job
-CONDITIONAL = ("sample_index", "choice_probs", "logprobs", "top_logprobs", "json", "replica",
+CONDITIONAL = ("sample_index", "choice_probs", "logprobs", "top_logprobs", "json", "lora", "replica",
                "embedding", "label", "probs", "score", "logprob_sum", "num_scored_tokens", "perplexity",
                "token_logprobs", "num_truncated_tokens")  # the other tasks' (tests/test_task_config.py)
 

@@ -219,7 +219,15 @@ class Engine:
             "kv_local_blocks_touched": local["touched"],
             "peak_memory_bytes": peak_rss_bytes(),
             "rss_bytes": process_rss(),
+            **self._lora_stats(),
         }
+
+    def _lora_stats(self) -> dict:
+        """The adapters (lora/attach.py): how many, the slots that hold them (their bytes are in weights_bytes),
+        and how often one was read into a slot (the first ones included)."""
+        a = self.adapters
+        return {"lora_adapters": len(a.sources) if a else 0, "lora_slots": a.num_slots if a else 0,
+                "lora_loads": a.num_loads if a else 0, "lora_bytes": a.nbytes if a else 0}
 
     def _local_kv_stats(self) -> dict:
         size, local = self.kv_pool.local, self.kv_cache_manager.local

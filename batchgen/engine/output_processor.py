@@ -61,7 +61,7 @@ class OutputProcessor:
                       num_preemptions=seq.num_preemptions, arrival_time=wall(seq.arrival_time),
                       first_scheduled_time=wall(seq.first_scheduled_time),
                       first_token_time=wall(seq.first_token_time), finish_time=wall(seq.finish_time),
-                      sample_index=seq.sample_index, logprobs=seq.token_logprobs,
+                      sample_index=seq.sample_index, logprobs=seq.token_logprobs, lora=seq.adapter.name,
                       top_logprobs=None if seq.top_logprobs is None else [self.named_top(t) for t in seq.top_logprobs])
 
     def named_top(self, top: list[tuple[int, float]]) -> list[tuple[str, int, float]]:
@@ -75,5 +75,7 @@ class OutputProcessor:
 
     def error(self, request: Request, message: str) -> Result:
         ids = request.prompt_token_ids
-        return Result.for_error(request.request_id, message, len(ids) if ids is not None else 0,
-                                self.clock.wall(time.monotonic()))
+        result = Result.for_error(request.request_id, message, len(ids) if ids is not None else 0,
+                                  self.clock.wall(time.monotonic()))
+        result.lora = request.lora
+        return result

@@ -194,6 +194,7 @@ class Result:
     score: float | None = None  # classify with a one-output head (a reward model): its raw output
     prompt_logprobs: list[float] | None = None  # score: the logprob of each scored token, in order
     num_truncated_tokens: int = 0  # embed/classify: prompt tokens cut to fit the model's maximum length
+    lora: str | None = None  # the LoRA adapter that answered (Request.lora); None: the base model
 
     @classmethod
     def for_error(cls, request_id: Any, message: str, prompt_tokens: int, now: float) -> "Result":

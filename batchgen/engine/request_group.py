@@ -172,7 +172,7 @@ class RequestGroup:
                 num_preemptions=num_preemptions,
                 arrival_time=wall(first.arrival_time), first_scheduled_time=wall(first.first_scheduled_time),
                 first_token_time=wall(self.finish_time), finish_time=wall(self.finish_time), sample_index=index,
-                choice_probs=choice_probs, choice_logprobs=totals)
+                choice_probs=choice_probs, choice_logprobs=totals, lora=self.adapter.name)
             if self.params.logprobs is not None:
                 scores, tops = self.candidate_scores[picked]
                 result.logprobs = scores[:-1]

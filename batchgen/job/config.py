@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs", "stop",
                      "presence_penalty", "frequency_penalty") + CONSTRAINT_KEYS
 
-# EngineArgs fields that the job file has as top-level keys rather than under `engine:`.
-TOP_LEVEL_KEYS = ("model", "task", "dtype", "device")
+# EngineArgs fields that the job file has as top-level keys rather than under `engine:`. `lora` maps adapter names
+# to where each is (a local directory, a hub id or an s3:// prefix): the run gives the engine local directories.
+TOP_LEVEL_KEYS = ("model", "task", "dtype", "device", "lora")
 
 # The job's sampling defaults where they differ from SamplingParams' (vLLM's 16 tokens at temperature 1.0):
 # a batch job wants reproducible, greedy output of a useful length.
@@ -57,6 +58,7 @@ class InputConfig:
     messages_column: str | None = None
     system_prompt: str | None = None
     system_column: str | None = None
+    lora_column: str | None = "lora"  # each row's LoRA adapter, a name of `lora:` (null: lora_default); read if there
     template: str | None = None
     chat_template: bool | str = True  # true: the model's; a string: this Jinja template; false: none
     allow_special_tokens: bool = False  # true: special-token text in the data becomes special tokens
@@ -121,6 +123,7 @@ class JobConfig:
     engine: EngineArgs  # validated; holds the job's top-level model, task, dtype and device too (do not mutate)
     executor: ExecutorConfig = ExecutorConfig()
     storage: StorageConfig = StorageConfig()
+    lora_default: str | None = None  # the adapter of a row that names none (None: the base model)
     # the prefill-only tasks' sections (task_config.py); the job's task reads its own
     embed: TASK_SECTIONS["embed"] = TASK_SECTIONS["embed"]()
     classify: TASK_SECTIONS["classify"] = TASK_SECTIONS["classify"]()
@@ -153,8 +156,11 @@ class JobConfig:
         job has `sampling`, another task its own section instead."""
         engine = dataclasses.asdict(self.engine)
         top = {key: engine.pop(key) for key in TOP_LEVEL_KEYS}
-        for key in ENGINE_ONLY_KEYS:
-            engine.pop(key)
+        if not top["lora"]:
+            del top["lora"]
+        else:
+            top["lora"] = {name: redact(ref) for name, ref in top["lora"].items()}
+            top["lora_default"] = self.lora_default
         task = {"sampling": dataclasses.asdict(self.sampling)} if self.task_section is None else \
             {self.task: dataclasses.asdict(self.task_section)}
         found = plain({"input": dataclasses.asdict(self.input), "output": dataclasses.asdict(self.output), **top,
@@ -167,11 +173,8 @@ class JobConfig:
         return found
 
 
-# EngineArgs fields the job file does not have yet: LoRA adapters come with their per-row column (issue 42).
-ENGINE_ONLY_KEYS = ("lora", "max_loras")
-
 # engine.sort is the deprecated spelling of input.sort.
-ENGINE_KEYS = {**keys_of(EngineArgs, skip=TOP_LEVEL_KEYS + ENGINE_ONLY_KEYS), "sort": (SortOrder | None, False)}
+ENGINE_KEYS = {**keys_of(EngineArgs, skip=TOP_LEVEL_KEYS), "sort": (SortOrder | None, False)}
 
 # The job file's keys. A dataclass is a section built as that class, a dict a section read as a dict.
 JOB_KEYS = {
@@ -181,6 +184,8 @@ JOB_KEYS = {
     **task_keys(),  # task, and the embed, classify and score sections
     "dtype": (Literal["auto", "float32", "bfloat16", "float16"], False),
     "device": (Literal["auto", "cpu", "cuda"], False),
+    "lora": keys_of(EngineArgs)["lora"],
+    "lora_default": (str | None, False),
     "sampling": (SAMPLING_KEYS, False),
     "engine": (ENGINE_KEYS, False),
     "executor": (ExecutorConfig, False),
@@ -216,6 +221,9 @@ def parse_job(raw: dict[str, Any], base_dir: Path | None = None) -> JobConfig:
         output = values["output"]
         if "url" not in output.keep_columns:
             values["output"] = dataclasses.replace(output, keep_columns=(*output.keep_columns, "url"))
+    if source.lora_column not in (None, InputConfig.lora_column) and not engine_args.lora:
+        raise JobConfigError("input.lora_column: the job has no adapters to choose from (add a lora: map of adapter "
+                             "names to adapters)")
     config = JobConfig(input=source, engine=engine_args, **values)
     _check(config)
     return config
@@ -279,11 +287,21 @@ def _check(config: JobConfig) -> None:
     _validate(config.engine, "engine")
     _validate(config.sampling.params(), "sampling")
     _check_output(config.output)
+    _check_lora(config)
     check_executor(config.executor)
     check_storage(config.storage)
     if config.output.parse_json and config.sampling.json_schema is None:
         raise JobConfigError("output.parse_json: needs sampling.json_schema (or sampling.json_schema_file): the "
                              "json column is typed from it")
+
+
+def _check_lora(config: JobConfig) -> None:
+    adapters = config.engine.lora or {}
+    if adapters and config.task != GENERATE:
+        raise JobConfigError(f"lora: adapters apply to task generate, not {config.task}")
+    if config.lora_default is not None and config.lora_default not in adapters:
+        known = f"its adapters: {', '.join(adapters)}" if adapters else "the job has no lora: map"
+        raise JobConfigError(f"lora_default: {config.lora_default!r} is not an adapter of lora: ({known})")
 
 
 def _validate(settings: EngineArgs | SamplingParams, section: str) -> None:
@@ -304,7 +322,7 @@ def setting_error(exc: SettingError, section: str) -> JobConfigError:
 def _check_input(cfg: InputConfig, task: str = GENERATE) -> None:
     if not cfg.path.strip():
         raise JobConfigError("input.path: must not be empty")
-    for name in ("id_column", "prompt_column", "messages_column", "system_column"):
+    for name in ("id_column", "prompt_column", "messages_column", "system_column", "lora_column"):
         value = getattr(cfg, name)
         if value is not None and not value.strip():
             raise JobConfigError(f"input.{name}: must be a column name, got an empty string")

@@ -118,6 +118,10 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         if value not in args:
             raise JobConfigError(f"{key}: expected one of {' | '.join(map(str, args))}, got {_describe(value)}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise JobConfigError(f"{key}: expected a mapping, got {_describe(value)}")
+        return {_convert(name, args[0], key): _convert(item, args[1], f"{key}.{name}") for name, item in value.items()}
     if origin is tuple:
         items = value if isinstance(value, (list, tuple)) else [value]
         return tuple(_convert(item, args[0], f"{key}[{i}]") for i, item in enumerate(items))

@@ -29,6 +29,7 @@ from .output.store import OutputStore
 
 if TYPE_CHECKING:  # the job layer imports torch only where it needs it
     from batchgen.engine.engine_plan import EngineTarget
+    from batchgen.lora.sources import LocatedAdapter
 
 # The parts of a job that change its results: a resume is refused when any of them differs.
 PROMPT_KEYS = ("id_column", "prompt_column", "messages_column", "system_prompt", "system_column", "template",
@@ -45,6 +46,7 @@ class PreparedJob:
     done: bytearray | None = None  # the ledger read when the output was taken: done[row] for committed rows
     cost_per_hour: float | None = None  # the machine's price, for _SUCCESS's tokens_per_dollar
     target: EngineTarget | None = None  # the run's device and dtype and why, resolved once (engine_target)
+    adapters: dict[str, LocatedAdapter] = dataclasses.field(default_factory=dict)  # the job's lora:, found locally
 
     @property
     def model(self) -> str:
@@ -81,7 +83,7 @@ def output_options(config: JobConfig, input_columns: Container[str]) -> OutputOp
                          choice=bool(sampling.choice) or "choice" in input_columns,
                          logprobs=sampling.logprobs is not None or "logprobs" in input_columns,
                          json=schema_json_type(sampling.json_schema) if config.output.parse_json else None,
-                         replica=config.executor.kind == "ray")
+                         replica=config.executor.kind == "ray", lora=bool(config.engine.lora))
 
 
 def prepare_job(config: JobConfig, overwrite: bool = False) -> PreparedJob:
@@ -104,10 +106,11 @@ def inspect_job(config: JobConfig, no_download_because: str | None = None) -> Pr
     check_executor(config)
     model = check_model(config.model, no_download_because, chat_template=config.input.chat_template is True,
                         storage=config.storage)
+    adapters = locate_adapters(config, no_download_because)
     target = engine_target(config)
     check_kv_cache_memory(config.engine, target.device.type)
-    return PreparedJob(config, inputs, job_fingerprint(config, model, inputs, target),
-                       open_output(config.output.path, config.storage), target=target)
+    return PreparedJob(config, inputs, job_fingerprint(config, model, inputs, target, adapters),
+                       open_output(config.output.path, config.storage), target=target, adapters=adapters)
 
 
 def check_chat_template(config: JobConfig, tokenizer) -> None:
@@ -161,6 +164,30 @@ def check_model(ref: str, no_download_because: str | None = None, chat_template:
     return identity
 
 
+def locate_adapters(config: JobConfig, no_download_because: str | None = None) -> dict[str, LocatedAdapter]:
+    """Each adapter of the job's `lora:` map as a local directory (fetched from the hub or object storage once),
+    its files there; what they hold is checked against the model before its weights load (engine start-up)."""
+    if not config.engine.lora:
+        return {}
+    from batchgen.lora.sources import locate_adapter
+    from batchgen.models.registry import ModelError
+
+    found = {}
+    for name, ref in (config.engine.lora or {}).items():
+        try:
+            if is_remote(ref):
+                missing = obstore_missing(f"lora.{name}", ref)
+                if missing:
+                    raise JobConfigError(missing)
+                with bucket_must_exist(f"lora.{name}", ref):
+                    found[name] = locate_adapter(ref, config.storage, no_download_because)
+            else:
+                found[name] = locate_adapter(ref, config.storage, no_download_because)
+        except ModelError as exc:
+            raise JobConfigError(f"lora.{name}: {exc}") from None
+    return found
+
+
 def engine_target(config: JobConfig) -> EngineTarget:
     """The run's device and its dtype and why, by the engine's own rule (engine_plan.resolve_target), which needs no
     model: what the fingerprint records and the summary falls back on. A device: cuda without one is a job error."""
@@ -187,8 +214,8 @@ def check_kv_cache_memory(engine: EngineArgs, device: str) -> None:
                              f"set a smaller size")
 
 
-def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles,
-                    target: EngineTarget | None = None) -> dict[str, Any]:
+def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles, target: EngineTarget | None = None,
+                    adapters: dict[str, LocatedAdapter] | None = None) -> dict[str, Any]:
     """What decides the rows' results (engine settings other than quantization, and sorting, do not), the identity
     of each input file included: a rewritten input is another job. The dtype is the one `auto` resolves to here:
     resuming on a machine where it resolves to another would mix rows of both."""
@@ -210,6 +237,9 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles,
         **({"max_model_len": config.engine.max_model_len} if config.engine.max_model_len else {}),
         # batch-invariant arithmetic gives some rows other bits than the default's; absent when off, as above
         **({"batch_invariant": True} if config.engine.batch_invariant else {}),
+        # LoRA adapters: each one's pinned source and file digest, and which rows take which; absent without
+        **({"lora": {name: found.identity() for name, found in adapters.items()},
+            "lora_default": config.lora_default, "lora_column": config.input.lora_column} if adapters else {}),
     }
 
 
@@ -264,11 +294,14 @@ def check_input_unchanged(job: PreparedJob) -> None:
                              f"re-run with --overwrite to start over")
 
 
-def engine_args_for(config: JobConfig, rows_left: int, model: str | None = None) -> EngineArgs:
+def engine_args_for(config: JobConfig, rows_left: int, model: str | None = None,
+                    adapters: dict[str, LocatedAdapter] | None = None) -> EngineArgs:
     """The job's engine settings for a run of `rows_left` rows: max_num_seqs no higher than the sequences they can
     run at once (a row of n samples, or of k choices, runs as n or k), so the engine sizes its KV pool for them
-    (kv_pool.py) and not for the setting; `model`, when given (PreparedJob.model), instead of the job's."""
+    (kv_pool.py) and not for the setting; `model`, when given (PreparedJob.model), instead of the job's, and the
+    adapters' local directories (PreparedJob.adapters) instead of the job's references."""
     sampling = config.sampling
     per_row = max(sampling.n, len(sampling.choice), 1)
-    return dataclasses.replace(config.engine, model=model or config.engine.model,
+    lora = {name: str(found.path) for name, found in adapters.items()} if adapters else config.engine.lora
+    return dataclasses.replace(config.engine, model=model or config.engine.model, lora=lora,
                                max_num_seqs=max(1, min(config.engine.max_num_seqs, rows_left * per_row)))

@@ -27,13 +27,28 @@ RUN_BATCH_SAMPLING = {"temperature": 1.0, "max_tokens": None}
 EMBEDDING_KEEP_COLUMNS = ["encoding_format", "dimensions"]
 
 
-def batch_job(requests: str, results: str, model: str) -> dict[str, Any]:
-    """The raw job of a run-batch command (--set overrides apply to it like to a job file)."""
+def batch_job(requests: str, results: str, model: str, lora_modules: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The raw job of a run-batch command (--set overrides apply to it like to a job file); `lora_modules`:
+    NAME=ADAPTER items, the job's `lora:` map."""
     output = {"path": work_dir(results), "format": "openai-batch"}
     job: dict[str, Any] = {"model": model, "input": {"path": requests, "format": "openai-batch"}}
+    if lora_modules:
+        job["lora"] = lora_map(lora_modules)
     if batch_endpoint(requests) == EMBEDDINGS:
         return job | {"task": "embed", "output": output | {"keep_columns": list(EMBEDDING_KEEP_COLUMNS)}}
     return job | {"sampling": dict(RUN_BATCH_SAMPLING), "output": output}
+
+
+def lora_map(items: tuple[str, ...]) -> dict[str, str]:
+    adapters = {}
+    for item in items:
+        name, _, adapter = item.partition("=")
+        if not name.strip() or not adapter.strip():
+            raise JobConfigError(f"--lora-modules: expected NAME=ADAPTER, got {item!r}")
+        if name in adapters:
+            raise JobConfigError(f"--lora-modules: adapter name {name!r} given twice")
+        adapters[name.strip()] = adapter.strip()
+    return adapters
 
 
 def batch_endpoint(requests: str) -> str | None:

@@ -18,6 +18,7 @@ def summary_table(s: dict, path: str) -> str:
         ("preemptions", f"{s['preemptions']:,}"),
         *([("dtype", s["dtype_reason"])] if s.get("dtype_reason") else []),
         *([("model path", model_path_line(stats))] if (stats := s.get("engine_stats") or {}).get("model_path") else []),
+        *([("lora", lora_line(s))] if s.get("lora") else []),
         *([("attention", why)] if (why := (s.get("engine_stats") or {}).get("attention_backend_reason")) else []),
         *memory_lines(s),
         ("output", f"{path}  ({reader_hint(s, path)})"),
@@ -42,6 +43,16 @@ def task_line(s: dict) -> str:
     else:
         return "generate"
     return f"{task}: {what}" + (f" ({rate} over this run's {s['generation_s']:,.1f} s)" if rate else "")
+
+
+def lora_line(s: dict) -> str:
+    """The job's adapters, how many were resident at once and how often one was read into the model."""
+    stats = s.get("engine_stats") or {}
+    names = ", ".join(s["lora"])
+    if not stats.get("lora_slots"):
+        return f"{len(s['lora'])} adapters ({names})"
+    return f"{len(s['lora'])} adapters ({names}), {stats['lora_slots']} resident at once, read into the model " \
+           f"{stats['lora_loads']:,} times ({_mib(stats['lora_bytes'])})"
 
 
 def rows(n: int) -> str:

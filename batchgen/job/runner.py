@@ -232,6 +232,8 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
         "peak_memory_bytes": peak,
         "memory_bound_bytes": memory_bound(engine_stats),
         "model": job.fingerprint["model"],  # as the fingerprint pins it: a hub id with its commit
+        # the LoRA adapters as the fingerprint pins them (name -> source and digest)
+        **({"lora": job.fingerprint["lora"]} if "lora" in job.fingerprint else {}),
         "task": job.config.task,
         **task_summary(job, totals),
         "dtype": engine_stats["dtype"] if target is None else target.dtype.name,

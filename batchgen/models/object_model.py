@@ -23,8 +23,10 @@ from .registry import ModelError
 MANIFEST = "batchgen-object-manifest.json"
 
 
-def fetch_model(url: str, storage: StorageConfig) -> Path:
-    """The local directory holding the model at `url` (downloaded now unless the cache has this version)."""
+def fetch_model(url: str, storage: StorageConfig, marker: str = "config.json",
+                what: str = "a Hugging Face model directory") -> Path:
+    """The local directory holding the model at `url` (downloaded now unless the cache has this version). `marker`:
+    the file that makes the prefix `what` it must be (a LoRA adapter's is adapter_config.json)."""
     import obstore
 
     store = make_store(url, storage)
@@ -37,8 +39,8 @@ def fetch_model(url: str, storage: StorageConfig) -> Path:
     except Exception as exc:
         raise store_error(exc, url) from None
     listing = [entry for entry in listing if entry[0] and not entry[0].endswith("/")]
-    if not any(name == "config.json" for name, _, _ in listing):
-        raise ModelError(f"{url} holds no config.json (a Hugging Face model directory is expected under the prefix)")
+    if not any(name == marker for name, _, _ in listing):
+        raise ModelError(f"{url} holds no {marker} ({what} is expected under the prefix)")
     source = f"{scheme}{bucket}/{prefix}"  # s3://b/m and s3://b/m/ are one model
     digest = hashlib.sha256(json.dumps([source, listing]).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{bucket}-{prefix}").strip("-")[:80]

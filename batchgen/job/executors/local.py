@@ -37,7 +37,7 @@ def load_engine(job: PreparedJob):
 
     rows_left = job.done.count(0) if job.done is not None else job.config.engine.max_num_seqs
     try:
-        engine = batchgen.engine.open_engine(engine_args_for(job.config, rows_left, job.model))
+        engine = batchgen.engine.open_engine(engine_args_for(job.config, rows_left, job.model, job.adapters))
     except ModelError as exc:  # e.g. an architecture we do not support: a problem with the job, not a crash
         raise JobConfigError(f"model: {exc}") from None
     except SettingError as exc:  # a setting the engine cannot honour, e.g. a KV cache too small for the model
@@ -64,7 +64,7 @@ def stream_rows(rows: Iterable[SourceRow], generate: Callable[[Iterator[Request]
                 on_row([result])
                 continue
             in_engine[row.row] = (row.id, row.keep, row.sampling)
-            yield Request(row.row, row.token_ids, row.sampling, pooling_params=row.pooling)
+            yield Request(row.row, row.token_ids, row.sampling, pooling_params=row.pooling, lora=row.lora)
 
     for group in result_groups(generate(requests()), lambda row: in_engine[row][2].n):
         ident, keep, sampling = in_engine.pop(group[0].request_id)

@@ -116,7 +116,7 @@ class EngineReplica:
             for row in rows:
                 if row.error is not None:
                     out.append((row.row, pickle.dumps((row.id, row.keep, [error_result(row)], True))))
-            requests = [Request(row.row, row.token_ids, row.sampling, pooling_params=row.pooling)
+            requests = [Request(row.row, row.token_ids, row.sampling, pooling_params=row.pooling, lora=row.lora)
                         for row in rows if row.error is None]
             for results in result_groups(self.engine.generate(requests), lambda row: kept[row].sampling.n):
                 row = kept[results[0].request_id]
@@ -223,6 +223,6 @@ class RayExecutor:
             sink.add(row, ident, keep, *results, parse_json=parse_json, replica=replica)
             on_row(results)
 
-        engine_args = engine_args_for(config, job.done.count(0), job.model)
+        engine_args = engine_args_for(config, job.done.count(0), job.model, job.adapters)
         replicas = run_on_ray(config, job.inputs, job.done, engine_args, write, on_stats=on_stats)
         return ExecutorRun(replicas=replicas)

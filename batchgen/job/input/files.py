@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import typing
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -17,7 +18,7 @@ from batchgen.object_store import (ObjectNotFound, RemoteFile, StorageConfig, gl
                                    obstore_missing)
 from batchgen.user_files import UserFileError, check_regular_file
 
-from ..config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError
+from ..config import ROW_SAMPLING_KEYS, InputConfig, JobConfig, JobConfigError
 from ..prompt_template import check_template_specs, template_columns
 from .custom_ids import DuplicateCustomId, check_unique_custom_ids
 from .parquet_read import InputFile, InputReadError, first_line, open_parquet, scan_file
@@ -249,6 +250,7 @@ def check_footers(config: JobConfig, files: list[InputFile], partitions: tuple[d
                 raise JobConfigError(f"{key}: column {column!r} not found in {path} "
                                      f"(columns: {', '.join(schema.names)})")
         check_prompt_column_types(config, schema, path)
+        check_lora_column(config, schema, path)
         if config.task == "generate":  # the other tasks read no per-row sampling columns
             check_row_sampling_types(schema, path)
         for fld in schema:
@@ -278,6 +280,23 @@ def check_prompt_column_types(config: JobConfig, schema: pa.Schema, path: InputF
         if column and not suits(schema.field(column).type):
             raise JobConfigError(f"{key}: column {column!r} is {schema.field(column).type} in {path}; "
                                  f"it must hold {expected}")
+
+
+def check_lora_column(config: JobConfig, schema: pa.Schema, path: InputFile) -> None:
+    """A job with adapters: its lora column holds strings (or is all null); a column named other than the default
+    must be there."""
+    column = config.input.lora_column
+    if not config.engine.lora or not column or config.input.format == "openai-batch":
+        return
+    if column not in schema.names:
+        if column != InputConfig.lora_column:
+            raise JobConfigError(f"input.lora_column: column {column!r} not found in {path} "
+                                 f"(columns: {', '.join(schema.names)})")
+        return
+    arrow_type = schema.field(column).type
+    if not pa.types.is_null(arrow_type) and not _is_text(arrow_type):
+        raise JobConfigError(f"input.lora_column: column {column!r} is {arrow_type} in {path}; it must hold adapter "
+                             f"names (strings)")
 
 
 def check_row_sampling_types(schema: pa.Schema, path: InputFile) -> None:
@@ -383,4 +402,15 @@ def read_columns(config: JobConfig, column_types: dict[str, pa.DataType]) -> lis
     columns = [column for _, column in required_columns(config)]
     row_keys = ROW_SAMPLING_KEYS if config.task == "generate" else ()
     columns += [key for key in (*row_keys, INPUT_ERROR_COLUMN) if key in column_types]
+    if column := lora_column(config, column_types):
+        columns.append(column)
     return list(dict.fromkeys(columns))
+
+
+def lora_column(config: JobConfig, column_types: Container[str]) -> str | None:
+    """The column that names each row's LoRA adapter: input.lora_column where the job has adapters and the input
+    has the column (without it, every row takes lora_default); None otherwise."""
+    if config.input.format == "openai-batch":  # a request's body names its adapter as its `model`
+        return "model" if config.engine.lora else None
+    column = config.input.lora_column
+    return column if config.engine.lora and column and column in column_types else None

@@ -7,7 +7,8 @@ one its first request names (`first_endpoint`: run-batch picks the job's task by
 batchgen cannot serve as asked (another endpoint; a body key it does not support with a value other than the
 default; a malformed body) is that request's error, not the job's. An embeddings request embeds one input, a string
 or a list of token ids: a list of several strings is that request's error (one line, one row, one response).
-The body's `model` is not checked: the job's model answers every request, and the output names it."""
+The body's `model` is not checked: the job's model answers every request, and the output names it; where the job has
+LoRA adapters (`lora:`, run-batch's --lora-modules), a `model` that names one has that adapter answer, as vLLM does."""
 from __future__ import annotations
 
 import json

@@ -18,6 +18,7 @@ class SourceRow:
     error: str | None = None
     prompt_tokens: int = 0
     pooling: PoolingParams | None = None  # a prefill-only task's settings (embed, classify, score)
+    lora: str | None = None  # the LoRA adapter that answers it (a name of the job's lora:); None: the base model
 
 
 class RowError(ValueError):

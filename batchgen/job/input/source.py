@@ -15,7 +15,7 @@ from batchgen.engine.request import CONSTRAINT_KEYS, SamplingParams
 
 from ..config import ROW_INTEGER_KEYS, ROW_SAMPLING_KEYS, JobConfig
 from ..task_config import GENERATE, pooling_params
-from .files import InputFiles, read_columns, required_columns
+from .files import InputFiles, lora_column, read_columns, required_columns
 from .parquet_read import Unreadable, batch_values, file_batches, file_range
 from .parquet_read import first_line as _first_line
 from .rows import RowError, SourceRow
@@ -119,6 +119,7 @@ def _has_unreadable(values: dict[str, Any]) -> bool:
 # What a column is to the row, for the error of a row whose value in it is Unreadable.
 COLUMN_ROLES = {"input.prompt_column": "prompt", "input.template": "prompt", "input.messages_column": "prompt",
                 "input.system_column": "system prompt", "input.id_column": "id", "output.keep_columns": "value",
+                "input.lora_column": "lora adapter name",
                 "score.continuation_column": "continuation"}
 
 
@@ -131,6 +132,8 @@ def unreadable_row(config: JobConfig, position: int, values: dict[str, Any]) -> 
     if values.get(INPUT_ERROR_COLUMN) is not None:
         return SourceRow(position, ident, keep, None, None, error=values[INPUT_ERROR_COLUMN])
     columns = required_columns(config) + [("sampling", key) for key in ROW_SAMPLING_KEYS]
+    if config.input.lora_column:
+        columns.append(("input.lora_column", config.input.lora_column))
     key, column = next((key, column) for key, column in columns if isinstance(values.get(column), Unreadable))
     return SourceRow(position, ident, keep, None, None,
                      error=f"{COLUMN_ROLES.get(key, 'value')} {values[column].problem} (column {column!r})")
@@ -169,6 +172,9 @@ class PromptBuilder:
         self.row_sampling_keys = [k for k in ROW_SAMPLING_KEYS if k in inputs.column_types] \
             if self.task == GENERATE else []  # the other tasks generate nothing: no sampling columns are read
         self.continuation_column = getattr(self.task_section, "continuation_column", None)
+        self.adapters = tuple(config.engine.lora or ())
+        self.lora_column = lora_column(config, inputs.column_types)
+        self.lora_default = config.lora_default
         self.scorer = ScoreSplit(self) if self.continuation_column else None
         own = config.input.chat_template if isinstance(config.input.chat_template, str) else None
         self.encoder = PromptEncoder(tokenizer, config.input.allow_special_tokens, own)
@@ -189,7 +195,8 @@ class PromptBuilder:
             keep = tuple(values[c] for c in self.keep_columns)
             try:
                 sampling = self.row_sampling(values)
-                row = SourceRow(position, ident, keep, None, sampling, pooling=self.default_pooling)
+                row = SourceRow(position, ident, keep, None, sampling, pooling=self.default_pooling,
+                                lora=self.row_lora(values))
                 ids = values.get("prompt_token_ids") if self.input.format == "openai-batch" else None
                 if ids is not None:  # an embeddings request's input as token ids: used as they are
                     given_ids.append((row, list(ids)))
@@ -303,6 +310,21 @@ class PromptBuilder:
             return prompt[:self.char_limit]  # what the maximum length could hold: a 10 MB row costs nothing
         return prompt
 
+    def row_lora(self, values: dict[str, Any]) -> str | None:
+        """The row's adapter: its lora column's name, or the job's lora_default where it names none (null or "")."""
+        name = values.get(self.lora_column) if self.lora_column else None
+        if name is None or name == "":
+            return self.lora_default
+        if self.input.format == "openai-batch":  # a body's `model`: an adapter's name, or else the job's model
+            return name if name in self.adapters else self.lora_default
+        if not isinstance(name, str):
+            raise RowError(f"lora adapter name must be a string, got {type(name).__name__} (column "
+                           f"{self.lora_column!r})")
+        if name not in self.adapters:
+            raise RowError(f"lora adapter {name!r} is not one of the job's (lora: {', '.join(self.adapters)}; "
+                           f"column {self.lora_column!r})")
+        return name
+
     def row_sampling(self, values: dict[str, Any]) -> SamplingParams:
         """The row's sampling: the job's, with the row's non-null values of the per-row columns. A row's constraint
         (choice, regex, json_schema or grammar) replaces the job's, whichever it is."""
@@ -352,7 +374,12 @@ def sort_windows(rows: Iterable[SourceRow], window: int, how: str) -> Iterator[S
     if how == "none":
         yield from rows
         return
-    key = (lambda r: r.token_ids or []) if how == "prefix" else (lambda r: len(r.token_ids or ()))
+    # An adapter's rows together: the prefix cache shares KV within one adapter only, and a step holds at most
+    # max_loras adapters. Rows without one (the base model), and error rows, come first.
+    if how == "prefix":
+        key = lambda r: (r.lora or "", r.token_ids or [])  # noqa: E731
+    else:
+        key = lambda r: (r.lora or "", len(r.token_ids or ()))  # noqa: E731
     pending: list[SourceRow] = []
     for row in rows:
         pending.append(row)

@@ -13,4 +13,4 @@ OUTPUT_COLUMNS = ("id", SAMPLE_COLUMN, "text", "embedding", "label", "probs", "s
                   "num_scored_tokens", "perplexity", "token_logprobs", "finish_reason", "error", "prompt_tokens",
                   "num_truncated_tokens", "output_tokens", "cached_tokens", "queue_s", "ttft_s", "tpot_s", "e2e_s",
                   "arrival_time", "first_token_time", "finish_time", "num_preemptions", "choice_probs", "logprobs",
-                  "top_logprobs", "json", "replica")
+                  "top_logprobs", "json", "lora", "replica")

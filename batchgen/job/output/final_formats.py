@@ -77,7 +77,8 @@ def batch_lines(table: pa.Table, model: str, chat: bool) -> tuple[str, str]:
         is_chat = first["url"] == CHAT if first.get("url") in (CHAT, COMPLETIONS) else chat
         try:
             error = _failure(first)
-            body = _body(samples, model, is_chat, request_id) if error is None else None
+            # a request answered by a LoRA adapter names it, as vLLM's --lora-modules responses do
+            body = _body(samples, first.get("lora") or model, is_chat, request_id) if error is None else None
         except EmbeddingRefused as exc:
             error = str(exc)
         if error is not None:

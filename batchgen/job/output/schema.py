@@ -37,6 +37,7 @@ class OutputOptions:
     logprobs: bool = False  # logprobs and top_logprobs: sampling.logprobs, or a `logprobs` input column
     json: JsonType | None = None  # the `json` column's type: output.parse_json, from sampling.json_schema
     replica: bool = False  # replica: the run is a Ray run (executor.kind: ray)
+    lora: bool = False  # lora: the job has LoRA adapters (a `lora:` map)
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,8 @@ COLUMNS = (
                  "row, and when the text was cut by `max_tokens`, is not JSON or does not fit the type (`error` says "
                  "which)", only=Condition(lambda o: o.json is not None, "with `output.parse_json`"),
                  tasks=GENERATE),
+    OutputColumn("lora", pa.string(), True, "the LoRA adapter that answered the row, a name of the job's `lora:`; "
+                 "null: the base model", only=Condition(lambda o: o.lora, "with a `lora:` map"), tasks=GENERATE),
     OutputColumn("replica", pa.int32(), False, "the engine replica that generated the row, numbered as replicas "
                  "started (a restarted one gets a new number)",
                  only=Condition(lambda o: o.replica, "in Ray runs, `executor.kind: ray`")),

@@ -79,6 +79,7 @@ class Plan:
     converted_now: bool = False  # the GGUF conversion ran in this process (the baseline is overstated)
     precision: list[str] = field(default_factory=list)  # precision_advice's lines: the fastest dtype/quantization
     engine: EnginePlan | None = None  # the engine's decisions as a run would make them (engine/engine_plan.py)
+    adapters: dict = field(default_factory=dict)  # the job's LoRA adapters found (lora/sources.py LocatedAdapter)
 
     @property
     def peak(self) -> int:
@@ -124,7 +125,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     parts = {"weights": weights.loaded, "mapped": weights.mapped,
              "packed": memory.packed_weight_bytes(shape, dtype)
              if packing_supported(device, dtype) and not config.engine.quantization else 0,
-             "kv": kv_blocks * pool.block_bytes + local_bytes, "activations": sum(activations.values())}
+             "kv": kv_blocks * pool.block_bytes + local_bytes, "activations": sum(activations.values()),
+             "lora": lora_slot_bytes(job.adapters, config.engine.max_loras)}
     if device.type == "cpu":
         parts["window"] = window_bytes(config, tokens, inputs.total_rows)
         if parts["packed"]:
@@ -142,6 +144,7 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
                 kv_local_blocks, context, tokens, parts, step_tokens, activations, available, available_source,
                 output_state, rows_left, time, cost_per_hour, problems, [warning] if warning else [], converted_now)
     plan.engine = engine
+    plan.adapters = job.adapters
     decode_batch = min(config.engine.max_num_seqs, rows_left or inputs.total_rows, seqs_at_once(plan)[0])
     plan.precision = advise_precision(archive, machine(device), str(choice.dtype).removeprefix("torch."),
                                       config.engine.quantization, max(decode_batch, 1), computed * scale,
@@ -152,6 +155,14 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
                                computed * scale, tokens.output_bound * scale, tokens.scored * scale, time.how,
                                process_started)
     return plan
+
+
+def lora_slot_bytes(adapters: dict, max_loras: int) -> int:
+    """The model's adapter slots (lora/attach.py): one per adapter resident at once, each as large as the largest
+    adapter's weights file (an upper bound where the file holds fp32 and the run bf16)."""
+    if not adapters:
+        return 0
+    return min(max_loras, len(adapters)) * max(found.nbytes for found in adapters.values())
 
 
 def plan_engine_for(config: JobConfig, shape: ModelDescription, weights: memory.WeightBytes, target: EngineTarget,

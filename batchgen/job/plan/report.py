@@ -35,7 +35,21 @@ def _job(plan: Plan) -> list[str]:
             f"(window {c.input.sort_window:,}), max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
             f"{e.max_num_batched_tokens:,}, block_size {e.block_size}, prefix cache "
             f"{'on' if e.enable_prefix_caching else 'off'}, batch-invariant {'on' if e.batch_invariant else 'off'}",
-            model_path_line(plan.shape)]
+            model_path_line(plan.shape), *_lora(plan)]
+
+
+def _lora(plan: Plan) -> list[str]:
+    """The job's adapters: how many, which rows take which, how many the model holds at once."""
+    if not plan.adapters:
+        return []
+    c = plan.config
+    resident = min(c.engine.max_loras, len(plan.adapters))
+    rows = f"each row's from column {c.input.lora_column!r}" if c.input.lora_column in plan.inputs.column_types \
+        else "no lora column in the input"
+    default = f"lora_default {c.lora_default}" if c.lora_default else "the base model by default"
+    more = "" if resident == len(plan.adapters) else ", the others read in on demand (least recently used out)"
+    return [f"lora: {len(plan.adapters)} adapters ({', '.join(plan.adapters)}); {rows}, {default}; "
+            f"{resident} resident at once (engine.max_loras {c.engine.max_loras}){more}"]
 
 
 def model_path_line(shape) -> str:
@@ -148,11 +162,12 @@ def _memory(plan: Plan) -> list[str]:
         "released": "the plain matmul weights and checkpoint pages, dropped once packed, before the KV blocks "
                     "and steps take memory: the peak is the larger of loading and running",
         "window": "the sort window's token ids",
+        "lora": f"{min(e.max_loras, len(plan.adapters))} LoRA adapter slots, each the largest adapter's weights file",
         "baseline": "this process now: python, torch, transformers, pyarrow, tokenizer, model modules"
                     + (" (it just converted the GGUF: overstated, plan again)" if plan.converted_now else ""),
     }
     names = {"weights": "weights", "mapped": "mapped", "packed": "packed", "kv": "KV pool", "activations": "activations",
-             "window": "sort window", "released": "released", "baseline": "baseline"}
+             "window": "sort window", "released": "released", "baseline": "baseline", "lora": "lora"}
     lines = [f"{what} ~{_mib(plan.peak)} = {share:.0%} of {_mib(plan.available)} {plan.available_source}: "
              f"{verdict} (warn over {MEMORY_WARN_SHARE:.0%}, refuse over 100%)"]
     lines += [f"{names[name]:<12}{_mib(value):>10}  {explain[name]}" for name, value in parts.items() if value]
