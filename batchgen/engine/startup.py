@@ -172,9 +172,6 @@ def read_lora(args: EngineArgs, description):
     from batchgen.lora import AdapterError, BaseShape
     from batchgen.lora.attach import read_adapters
 
-    if description.path != NATIVE:
-        raise SettingError("lora", f"lora adapters run on batchgen's own implementations; {description.architecture} "
-                                   f"runs on the generic path (model_impl: transformers)")
     if args.task != "generate":
         raise SettingError("lora", f"lora adapters apply to task generate, not {args.task}")
     try:

@@ -18,7 +18,7 @@ from torch import nn
 
 from batchgen.engine.sequence import BASE_MODEL, AdapterIdentity
 
-from .adapter import BaseShape, LoraAdapter, read_adapter
+from .adapter import MLP_MODULES, TARGET_MODULES, BaseShape, LoraAdapter, read_adapter
 from .lora_linear import LoraContext, LoraLinear
 
 logger = logging.getLogger("batchgen.lora")
@@ -120,32 +120,49 @@ def read_adapters(paths: dict[str, str], base: BaseShape, max_loras: int) -> Che
 
 def attach(model: nn.Module, checked: CheckedAdapters, base: BaseShape, dtype: torch.dtype,
            device: torch.device) -> AdapterSlots:
-    """Wrap `model`'s projections (llama.py's layout: `model.layers[i].self_attn` / `.mlp`) in LoraLinears of one
-    slot per adapter loaded first (max_loras, or fewer adapters), each as wide as the widest adapter needs."""
+    """Wrap `model`'s projections in LoraLinears of one slot per adapter loaded first (max_loras, or fewer
+    adapters), each as wide as the widest adapter needs: a native model's (llama.py's layout, q/k/v and gate/up
+    packed), or on the generic path the transformers layers' own q/k/v/o and gate/up/down projections."""
     context = LoraContext()
     sources = checked.sources.values()
     num_slots = len(checked.first)
     wrapped: list[tuple[int, tuple[str, ...], LoraLinear]] = []
-    for index, layer in enumerate(model.model.layers):
-        for (owner_name, name), parts in PROJECTION_PARTS.items():
-            owner = getattr(layer, owner_name)
-            base_linear = getattr(owner, name, None)
-            if base_linear is None:  # a mixture of experts' MLP
-                if any((index, part) in source.ranks for source in sources for part in parts):
-                    raise ValueError(f"lora adapter targets {', '.join(parts)} of layer {index}, a mixture of "
-                                     f"experts' MLP: batchgen adapts its attention only")
-                continue
-            rank = max(sum(s.ranks.get((index, p), 0) for p in parts) for s in sources)
-            if rank == 0:  # no adapter changes this projection
-                continue
-            lora = LoraLinear(base_linear, context, _part_sizes(owner, name, base_linear), num_slots, rank, dtype,
-                              device)
-            setattr(owner, name, lora)
-            wrapped.append((index, parts, lora))
+    for index, owner, name, parts in _projections(model):
+        base_linear = getattr(owner, name, None) if owner is not None else None
+        if not isinstance(base_linear, nn.Module):  # a mixture of experts' MLP, or a layer without this projection
+            if any((index, part) in source.ranks for source in sources for part in parts):
+                raise ValueError(f"lora adapter targets {', '.join(parts)} of layer {index}, which this model "
+                                 f"does not have as such (a mixture of experts' MLP, or fused projections): "
+                                 f"batchgen adapts only separate q/k/v/o and gate/up/down projections")
+            continue
+        rank = max(sum(s.ranks.get((index, p), 0) for p in parts) for s in sources)
+        if rank == 0:  # no adapter changes this projection
+            continue
+        lora = LoraLinear(base_linear, context, _part_sizes(owner, name, base_linear), num_slots, rank, dtype,
+                          device)
+        setattr(owner, name, lora)
+        wrapped.append((index, parts, lora))
     slots = AdapterSlots(context, wrapped, checked.sources, base, num_slots)
     for slot, adapter in enumerate(checked.first, start=1):
         slots.load(adapter.name, slot, adapter)
     return slots
+
+
+def _projections(model: nn.Module):
+    """(layer index, owning module or None, projection name, the adapter modules of its parts) of every projection
+    an adapter may change."""
+    from batchgen.models.generic import TransformersCausalLM
+
+    if isinstance(model, TransformersCausalLM):  # transformers' layers: every projection its own nn.Linear
+        layers = getattr(model.hf, model.hf.base_model_prefix).layers
+        for index, layer in enumerate(layers):
+            for module in TARGET_MODULES:
+                owner = getattr(layer, "mlp" if module in MLP_MODULES else "self_attn", None)
+                yield index, owner, module, (module,)
+        return
+    for index, layer in enumerate(model.model.layers):
+        for (owner_name, name), parts in PROJECTION_PARTS.items():
+            yield index, getattr(layer, owner_name), name, parts
 
 
 def _part(adapter: LoraAdapter, layer: int, part: str):

@@ -113,18 +113,19 @@ class LoraLinear(nn.Module):
         segments = [s for s in self.context.segments if s[2] in self.loaded and s[0] < s[1]]
         if not segments:
             return out
+        # the step's tokens as rows, whatever leading dimensions the caller uses (the generic path's [1, T, ...])
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         delta = _triton_lora_delta(self.rank, x.dtype) if x.is_cuda else None
         if delta is not None:  # on CUDA, every slot's rows in two launches (triton_lora.py)
             row_slots = self.context.row_slots(x.device, frozenset(slot for _, _, slot in segments))
-            delta(x.reshape(-1, x.shape[-1]), self.a, self.b, row_slots, self.num_slots, self.rank,
-                  out.view(-1, out.shape[-1]))
-            return out
-        if self.dense and len(segments) > 1:
-            low = (x @ self.a.T) * self.context.row_mask(self.rank, self.num_slots, x.device, x.dtype)
-            return out.addmm_(low, self.b)
-        for start, end, slot in segments:
-            rows = slice((slot - 1) * self.rank, slot * self.rank)
-            out[start:end].addmm_(x[start:end] @ self.a[rows].T, self.b[rows])
+            delta(flat_x, self.a, self.b, row_slots, self.num_slots, self.rank, flat_out)
+        elif self.dense and len(segments) > 1:
+            low = (flat_x @ self.a.T) * self.context.row_mask(self.rank, self.num_slots, x.device, x.dtype)
+            flat_out.addmm_(low, self.b)
+        else:
+            for start, end, slot in segments:
+                rows = slice((slot - 1) * self.rank, slot * self.rank)
+                flat_out[start:end].addmm_(flat_x[start:end] @ self.a[rows].T, self.b[rows])
         return out
 
 

@@ -9,6 +9,8 @@ layers (Mamba, linear attention, convolutions), ALiBi, chunked attention, encode
 """
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 
 import torch
@@ -93,9 +95,11 @@ def refusal(config) -> str | None:
 
 
 def build_on_meta(config) -> nn.Module:
-    """The transformers model for `config` with its attention set to batchgen's, on the meta device."""
+    """The transformers model for a copy of `config` with its attention set to batchgen's, on the meta device (the
+    caller's config is left as it was: a model built from it later keeps its own attention)."""
     register_attention()
     model_class = causal_lm_class(config)
+    config = copy.deepcopy(config)
     config._attn_implementation = ATTENTION_NAME
     with torch.device("meta"):
         return model_class(config)
