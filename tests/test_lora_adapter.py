@@ -6,7 +6,6 @@ Request.lora) rows of several adapters share steps and each equals transformers'
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from safetensors.torch import save_file
 
 from batchgen.lora import AdapterError, BaseShape, LoraContext, LoraLinear, read_adapter
 from batchgen.lora.adapter import ATTENTION_MODULES, MLP_MODULES
+from batchgen.lora.random_adapter import write_adapter
 from batchgen.models.inspector import describe_config
 
 TARGETS = list(ATTENTION_MODULES + MLP_MODULES)
@@ -22,30 +22,6 @@ TARGETS = list(ATTENTION_MODULES + MLP_MODULES)
 
 def base_shape(config) -> BaseShape:
     return BaseShape.of(describe_config(config))
-
-
-def write_adapter(path: Path, config, rank: int = 8, alpha: float = 16, targets=TARGETS, seed: int = 0,
-                  layers=None, **extra) -> Path:
-    """A random PEFT adapter for `config` (a Llama-style transformers config), as PEFT saves one: tensors named as
-    PEFT names them over a *ForCausalLM, A scaled as its fan-in, B small (PEFT starts it at zero: random here, so
-    that a wrong product shows)."""
-    shape = base_shape(config)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config.num_hidden_layers) if layers is None else layers:
-        for module in targets:
-            size_in, size_out = shape.sizes[module]
-            owner = "mlp" if module in MLP_MODULES else "self_attn"
-            prefix = f"base_model.model.model.layers.{layer}.{owner}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, size_in, generator=generator) / math.sqrt(size_in)
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(size_out, rank, generator=generator) * 0.05
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
-        "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
-        "base_model_name_or_path": "tiny-llama", **extra}))
-    return path
 
 
 @pytest.fixture(scope="module")

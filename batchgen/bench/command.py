@@ -33,12 +33,16 @@ DEFAULT_BATCH_SIZES = {"embed": (16, 32, 64, 128), "classify": (16, 32, 64, 128)
 
 @click.command()
 @click.argument("job", metavar="[JOB.yaml]", required=False)
-@click.option("--workload", type=click.Choice(["labeling", "generation", "mixed", "embed", "classify", "score"]),
+@click.option("--workload", type=click.Choice(["labeling", "generation", "mixed", "embed", "classify", "score",
+                                              "lora"]),
               default="generation", show_default=True,
               help="Built-in synthetic workload (ignored with a JOB.yaml). embed, classify and score: texts of "
                    "several lengths, prefill only (embed: all-minilm-l6-v2 against sentence-transformers; "
                    "classify: --model against transformers' text-classification pipeline; score: the default "
-                   "model's log-likelihoods against vLLM's prompt_logprobs and a transformers forward).")
+                   "model's log-likelihoods against vLLM's prompt_logprobs and a transformers forward). lora: "
+                   "generation rows over 4 LoRA adapters in one engine against the base model and against "
+                   "merged-model engines one after another (--rows default 256, --max-tokens default 64, --dtype "
+                   "default auto).")
 @click.option("--rows", type=int, default=None, help="Rows to run [default: 200; with a job: all of its rows].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
 @click.option("--systems", default=None, callback=_comma_list,
@@ -97,13 +101,15 @@ DEFAULT_BATCH_SIZES = {"embed": (16, 32, 64, 128), "classify": (16, 32, 64, 128)
               help="The --roofline prefill step: SEQS fresh prompts of TOKENS tokens each; none: no prefill step.")
 @click.option("--roofline-reps", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed steps per --roofline case (after 2 warm-up steps); the best is set against the floor.")
+@click.option("--lora", "lora", multiple=True, metavar="NAME=DIR",
+              help="--workload lora: a PEFT adapter to run (repeatable) [default: 4 random rank-8 adapters].")
 def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: tuple[str, ...],
           hf_batch_sizes: tuple[int, ...], vllm_python: str | None, out_dir: str, archive: str, history: bool,
           max_num_seqs: int | None, kv_cache_memory: str | None, hf_continuous_time_limit: float,
           max_tokens_scale: float, dtype: str | None, hf_dtype: str | None, vllm_threads_bind: str, model: str | None,
           ignore_eos: bool, max_tokens: int | None, quantization: str | None, model_impl: str | None, roofline: bool,
           roofline_batches: tuple[int, ...], roofline_contexts: tuple[int, ...], roofline_prefill: str,
-          roofline_reps: int) -> None:
+          roofline_reps: int, lora: tuple[str, ...]) -> None:
     """Benchmark batchgen against transformers (static and continuous batching) and vLLM on the same rows,
     greedy, in one run; print the table and ratios, write a JSON record and a PNG chart to --out, and append to
     the archive. With --roofline: batchgen's engine steps against the machine's floor instead."""
@@ -119,6 +125,10 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
     if roofline:
         bench_roofline(job, model, dtype, quantization, roofline_batches, roofline_contexts, roofline_prefill,
                        roofline_reps, kv_cache_memory, seed, out_dir, archive)
+        return
+    if workload == "lora" and not job:
+        bench_lora(model, rows, seed, max_tokens, dtype, lora, systems, max_num_seqs, kv_cache_memory, out_dir,
+                   archive)
         return
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # "Loading weights" bars, once per baseline
@@ -175,3 +185,22 @@ def bench_roofline(job: str | None, model: str | None, dtype: str | None, quanti
         fail(EXIT_JOB, str(exc))
     click.echo(format_roofline(record))
     click.echo(f"  record: {record['paths']['record']}  archive: {record['paths']['archive']}")
+
+
+def bench_lora(model: str | None, rows: int | None, seed: int, max_tokens: int | None, dtype: str | None,
+               lora: tuple[str, ...], systems: tuple[str, ...] | None, max_num_seqs: int | None,
+               kv_cache_memory: str | None, out_dir: str, archive: str) -> None:
+    """`bench --workload lora`: lora_bench.py's three systems."""
+    from batchgen.bench.lora_bench import LORA_SYSTEMS, LoraBenchConfig, format_lora_table, parse_lora_options
+    from batchgen.bench.lora_bench import run_lora_bench
+
+    try:
+        config = LoraBenchConfig(model=model, rows=rows or 256, seed=seed, max_tokens=max_tokens or 64, dtype=dtype,
+                                 adapters=parse_lora_options(lora), systems=systems or LORA_SYSTEMS,
+                                 max_num_seqs=max_num_seqs, kv_cache_memory=kv_cache_memory, out_dir=out_dir,
+                                 archive=archive)
+        result = run_lora_bench(config, log=lambda line: click.echo(line, err=True))
+    except ValueError as exc:  # a bad option, or an adapter that does not fit the model (AdapterError)
+        fail(EXIT_JOB, str(exc))
+    click.echo(format_lora_table(result.record))
+    click.echo(f"  record: {result.record_path}  archive: {result.archive_path}")
