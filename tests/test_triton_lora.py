@@ -40,22 +40,16 @@ def make_lora(size_in: int, part_sizes: list[int], num_slots: int, part_rank: in
     return lora.to(DEVICE, dtype)
 
 
-def torch_path(lora: LoraLinear, x: torch.Tensor, dense: bool) -> torch.Tensor:
-    """LoraLinear.forward's torch products (the CPU path), whatever the device: per segment, or one over every
-    slot."""
-    saved = lora.dense
-    lora.dense = dense
-    try:
-        if x.is_cuda:  # forward would take the kernel
-            out = lora.base(x)
-            for start, end, slot in lora.context.segments:
-                if slot in lora.loaded and start < end:
-                    rows = slice((slot - 1) * lora.rank, slot * lora.rank)
-                    out[start:end].addmm_(x[start:end] @ lora.a[rows].T, lora.b[rows])
-            return out
-        return lora(x)
-    finally:
-        lora.dense = saved
+def torch_path(lora: LoraLinear, x: torch.Tensor) -> torch.Tensor:
+    """LoraLinear.forward's torch products (the CPU path: each segment's own), whatever the device."""
+    if x.is_cuda:  # forward would take the kernel
+        out = lora.base(x)
+        for start, end, slot in lora.context.segments:
+            if slot in lora.loaded and start < end:
+                rows = slice((slot - 1) * lora.rank, slot * lora.rank)
+                out[start:end].addmm_(x[start:end] @ lora.a[rows].T, lora.b[rows])
+        return out
+    return lora(x)
 
 
 def kernel_path(lora: LoraLinear, x: torch.Tensor) -> torch.Tensor:
@@ -94,8 +88,7 @@ def test_packed_qkv_slots_equal_the_torch_products(layout, dtype):
     lora.context.set_segments(segments)
     x = torch.randn(segments[-1][1], 48, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     got = kernel_path(lora, x)
-    for dense in (False, True):
-        assert_same(got, torch_path(lora, x, dense))
+    assert_same(got, torch_path(lora, x))
     base = lora.base(x)
     for start, end, slot in segments:
         if slot == 0:
@@ -118,7 +111,7 @@ def test_ranks_splits_and_partial_tiles(size_in, part_sizes, part_rank, rows, dt
     cut = rows // 3
     lora.context.set_segments([(0, cut, 2), (cut, cut + 1, 0), (cut + 1, rows, 1)])
     x = torch.randn(rows, size_in, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
-    assert_same(kernel_path(lora, x), torch_path(lora, x, dense=False))
+    assert_same(kernel_path(lora, x), torch_path(lora, x))
 
 
 def test_the_decode_splits_the_input_features():
@@ -142,7 +135,7 @@ def test_rows_in_any_slot_order_and_a_slot_unloaded():
     row_slots = lora.context.row_slots(x.device, frozenset(lora.loaded))
     assert row_slots.tolist() == [0 if slot == 4 else slot for slot in slots] and row_slots.dtype == torch.int32
     got = lora_delta(x, lora.a, lora.b, row_slots, lora.num_slots, lora.rank, lora.base(x))
-    assert_same(got, torch_path(lora, x, dense=False))
+    assert_same(got, torch_path(lora, x))
     base = lora.base(x)
     assert all(torch.equal(got[row], base[row]) for row, slot in enumerate(slots) if slot in (0, 4))
 
@@ -203,4 +196,4 @@ def test_lora_linear_runs_the_kernel_on_cuda(dtype, monkeypatch):
     monkeypatch.setattr(triton_lora, "lora_delta", lambda *args: calls.append(1) or real(*args))
     got = lora(x)
     assert calls == [1]
-    assert_same(got, torch_path(lora, x, dense=False))
+    assert_same(got, torch_path(lora, x))

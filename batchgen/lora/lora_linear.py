@@ -4,14 +4,15 @@ product (Punica/S-LoRA's batched LoRA), never a merged copy of the base.
 Every LoraLinear holds `num_slots` adapter slots, each `rank` rows of one stacked A ([slots * rank, in]) and of one
 stacked B ([slots * rank, out]); slot s (1, 2, ...) owns rows (s - 1) * rank .. s * rank, and slot 0 is the base
 model (no rows). A packed projection (q/k/v in one matrix, gate/up in one) keeps each part's A rows one after the
-other in its slot, and each part's B (its scale folded in) only under that part's output columns, zeros elsewhere:
-one x @ A.T and one @ B per slot reach every part.
+other in its slot, and each part's B (its scale folded in) under that part's output columns, zeros elsewhere.
 
-The rows of one step arrive grouped by slot (`LoraContext.segments`: start, end, slot), set before each forward.
-Two ways to the same sum: with few slots, one product over every slot (x @ A_all.T, each row's other slots'
-columns zeroed, then @ B_all) is two matmuls whatever the number of adapters in the step, the fastest on a CPU;
-with many, each segment's own two products. On CUDA, a Triton kernel (batchgen_kernels/triton_lora.py): every
-row's own slot's product in two launches, from each row's slot (`LoraContext.row_slots`)."""
+The rows of one step arrive grouped by slot (`LoraContext.segments`: start, end, slot), set before each forward. On
+a CPU each segment's rows take their own slot's products, x @ A.T once, then each part's B into its own columns
+only (a row does its own adapter's work and no other's: one product over every slot, with the other slots'
+columns masked, cost a 4-adapter step 0.68x of the base model's speed). The weights are held in fp32 there and the
+products run in fp32: oneDNN's bf16 matmuls of a few rows cost far more a call than MKL's fp32 ones, and the delta
+is rounded once, into the base's output. On CUDA, a Triton kernel (batchgen_kernels/triton_lora.py), in the
+model's dtype: every row's own slot's product in two launches, from each row's slot (`LoraContext.row_slots`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,22 +20,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# Above this many stacked rank columns per input feature, one product over every slot costs more than it saves in
-# calls: each segment's own products instead.
-DENSE_MAX_FRACTION = 0.25
-
-
 @dataclass
 class LoraContext:
     """What every LoraLinear of a model reads at each forward: the step's rows by adapter slot."""
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (first row, end row, slot); slot 0: base
-    _masks: dict = field(default_factory=dict, repr=False)  # (rank, slots, device, dtype) -> the step's row mask
     _slots: dict = field(default_factory=dict, repr=False)  # (device, slots kept) -> the step's row slots
 
     def set_segments(self, segments: list[tuple[int, int, int]]) -> None:
         self.segments = segments
-        self._masks.clear()
         self._slots.clear()
 
     def row_slots(self, device: torch.device, keep: frozenset[int]) -> torch.Tensor:
@@ -50,19 +44,6 @@ class LoraContext:
                     slots[start:end] = slot
             slots = self._slots[key] = slots.to(device)
         return slots
-
-    def row_mask(self, rank: int, num_slots: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, num_slots * rank]: 1 in each row's own slot's columns, 0 elsewhere (and everywhere for slot 0)."""
-        key = (rank, num_slots, device, dtype)
-        mask = self._masks.get(key)
-        if mask is None:
-            rows = self.segments[-1][1] if self.segments else 0
-            mask = torch.zeros(rows, num_slots * rank, dtype=dtype)
-            for start, end, slot in self.segments:
-                if slot:
-                    mask[start:end, (slot - 1) * rank:slot * rank] = 1
-            mask = self._masks[key] = mask.to(device)
-        return mask
 
 
 class LoraLinear(nn.Module):
@@ -80,8 +61,8 @@ class LoraLinear(nn.Module):
         size_in = getattr(base, "in_features", None) or base.weight.shape[1]
         self.register_buffer("a", torch.zeros(num_slots * rank, size_in, dtype=dtype, device=device), False)
         self.register_buffer("b", torch.zeros(num_slots * rank, sum(part_sizes), dtype=dtype, device=device), False)
-        self.loaded: set[int] = set()  # slots holding an adapter that changes this projection
-        self.dense = num_slots * rank <= DENSE_MAX_FRACTION * size_in
+        self.loaded: dict[int, list[tuple[int, int, int, int]]] = {}  # slot -> its parts' (first rank row, end
+        # rank row, first column, end column), for the slots holding an adapter that changes this projection
 
     def load(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor, float] | None]) -> None:
         """Put an adapter in `slot` (1 ..): per part (a [r, in], b [out, r], scale), or None where it leaves a part
@@ -90,6 +71,7 @@ class LoraLinear(nn.Module):
         self.a[rows] = 0
         self.b[rows] = 0
         first_column = rank = 0
+        laid = []
         for size, part in zip(self.part_sizes, parts):
             if part is not None:
                 a, b, scale = part
@@ -98,15 +80,16 @@ class LoraLinear(nn.Module):
                     raise ValueError(f"an adapter of rank {rank + r} in a slot of rank {self.rank}")
                 self.a[rows][rank:rank + r] = a
                 self.b[rows][rank:rank + r, first_column:first_column + size] = (b * scale).T
+                laid.append((rank, rank + r, first_column, first_column + size))
                 rank += r
             first_column += size
-        if rank:
-            self.loaded.add(slot)
+        if laid:
+            self.loaded[slot] = laid
         else:
-            self.loaded.discard(slot)
+            self.loaded.pop(slot, None)
 
     def unload(self, slot: int) -> None:
-        self.loaded.discard(slot)
+        self.loaded.pop(slot, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -119,13 +102,14 @@ class LoraLinear(nn.Module):
         if delta is not None:  # on CUDA, every slot's rows in two launches (triton_lora.py)
             row_slots = self.context.row_slots(x.device, frozenset(slot for _, _, slot in segments))
             delta(flat_x, self.a, self.b, row_slots, self.num_slots, self.rank, flat_out)
-        elif self.dense and len(segments) > 1:
-            low = (flat_x @ self.a.T) * self.context.row_mask(self.rank, self.num_slots, x.device, x.dtype)
-            flat_out.addmm_(low, self.b)
         else:
             for start, end, slot in segments:
-                rows = slice((slot - 1) * self.rank, slot * self.rank)
-                flat_out[start:end].addmm_(flat_x[start:end] @ self.a[rows].T, self.b[rows])
+                parts = self.loaded[slot]
+                first = (slot - 1) * self.rank
+                a, b = self.a[first:first + parts[-1][1]], self.b[first:first + parts[-1][1]]
+                low = flat_x[start:end].to(a.dtype) @ a.T  # [rows, the slot's rank]
+                for r0, r1, c0, c1 in parts:
+                    flat_out[start:end, c0:c1] += low[:, r0:r1] @ b[r0:r1, c0:c1]
         return out
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import os
 import typing
-from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -18,8 +17,10 @@ from batchgen.object_store import (ObjectNotFound, RemoteFile, StorageConfig, gl
                                    obstore_missing)
 from batchgen.user_files import UserFileError, check_regular_file
 
-from ..config import ROW_SAMPLING_KEYS, InputConfig, JobConfig, JobConfigError
+from ..config import ROW_SAMPLING_KEYS, JobConfig, JobConfigError
 from ..prompt_template import check_template_specs, template_columns
+from .arrow_types import is_text
+from .lora_column import check_lora_column, lora_column
 from .custom_ids import DuplicateCustomId, check_unique_custom_ids
 from .parquet_read import InputFile, InputReadError, first_line, open_parquet, scan_file
 from .text_formats import INPUT_ERROR_COLUMN, SUFFIXES, InputFormatError, format_of, stage, suffixes, sweep_staged
@@ -268,35 +269,18 @@ def check_prompt_column_types(config: JobConfig, schema: pa.Schema, path: InputF
     any other type would fail every row, after the model loaded. An all-null column is let through: its rows
     are row errors."""
     cfg = config.input
-    checks = [("input.system_column", cfg.system_column, _is_text, "strings"),
-              ("score.continuation_column", getattr(config.task_section, "continuation_column", None), _is_text,
+    checks = [("input.system_column", cfg.system_column, is_text, "strings"),
+              ("score.continuation_column", getattr(config.task_section, "continuation_column", None), is_text,
                "strings")]
     if cfg.messages_column:
         checks.append(("input.messages_column", cfg.messages_column, _is_messages,
                        "a list of structs with string fields role and content"))
     elif cfg.template is None:
-        checks.append(("input.prompt_column", cfg.prompt_column, _is_text, "strings"))
+        checks.append(("input.prompt_column", cfg.prompt_column, is_text, "strings"))
     for key, column, suits, expected in checks:
         if column and not suits(schema.field(column).type):
             raise JobConfigError(f"{key}: column {column!r} is {schema.field(column).type} in {path}; "
                                  f"it must hold {expected}")
-
-
-def check_lora_column(config: JobConfig, schema: pa.Schema, path: InputFile) -> None:
-    """A job with adapters: its lora column holds strings (or is all null); a column named other than the default
-    must be there."""
-    column = config.input.lora_column
-    if not config.engine.lora or not column or config.input.format == "openai-batch":
-        return
-    if column not in schema.names:
-        if column != InputConfig.lora_column:
-            raise JobConfigError(f"input.lora_column: column {column!r} not found in {path} "
-                                 f"(columns: {', '.join(schema.names)})")
-        return
-    arrow_type = schema.field(column).type
-    if not pa.types.is_null(arrow_type) and not _is_text(arrow_type):
-        raise JobConfigError(f"input.lora_column: column {column!r} is {arrow_type} in {path}; it must hold adapter "
-                             f"names (strings)")
 
 
 def check_row_sampling_types(schema: pa.Schema, path: InputFile) -> None:
@@ -335,18 +319,11 @@ def _is_list(arrow_type: pa.DataType) -> bool:
 
 
 def _is_text_list(arrow_type: pa.DataType) -> bool:
-    return _is_list(arrow_type) and _is_text(arrow_type.value_type)
+    return _is_list(arrow_type) and is_text(arrow_type.value_type)
 
 
 def _is_number(arrow_type: pa.DataType) -> bool:
     return pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type)
-
-
-def _is_text(arrow_type: pa.DataType) -> bool:
-    if pa.types.is_dictionary(arrow_type):
-        return _is_text(arrow_type.value_type)
-    return any(is_type(arrow_type) for is_type in (pa.types.is_string, pa.types.is_large_string,
-                                                   pa.types.is_string_view, pa.types.is_null))
 
 
 def _is_messages(arrow_type: pa.DataType) -> bool:
@@ -356,11 +333,11 @@ def _is_messages(arrow_type: pa.DataType) -> bool:
         return False
     message = arrow_type.value_type
     return pa.types.is_struct(message) and all(
-        message.get_field_index(name) >= 0 and _is_text(message.field(name).type) for name in ("role", "content"))
+        message.get_field_index(name) >= 0 and is_text(message.field(name).type) for name in ("role", "content"))
 
 
 _ROW_SAMPLING_KINDS = _row_sampling_kinds()
-_KIND_CHECKS = {"numbers": _is_number, "strings": _is_text, "a list of strings": _is_text_list}
+_KIND_CHECKS = {"numbers": _is_number, "strings": is_text, "a list of strings": _is_text_list}
 NUMBER_KEYS = tuple(key for key, kind in _ROW_SAMPLING_KINDS.items() if kind == "numbers")  # text inputs: stage()
 
 
@@ -406,11 +383,3 @@ def read_columns(config: JobConfig, column_types: dict[str, pa.DataType]) -> lis
         columns.append(column)
     return list(dict.fromkeys(columns))
 
-
-def lora_column(config: JobConfig, column_types: Container[str]) -> str | None:
-    """The column that names each row's LoRA adapter: input.lora_column where the job has adapters and the input
-    has the column (without it, every row takes lora_default); None otherwise."""
-    if config.input.format == "openai-batch":  # a request's body names its adapter as its `model`
-        return "model" if config.engine.lora else None
-    column = config.input.lora_column
-    return column if config.engine.lora and column and column in column_types else None
