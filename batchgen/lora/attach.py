@@ -138,8 +138,8 @@ def attach(model: nn.Module, checked: CheckedAdapters, base: BaseShape, dtype: t
         rank = max(sum(s.ranks.get((index, p), 0) for p in parts) for s in sources)
         if rank == 0:  # no adapter changes this projection
             continue
-        lora = LoraLinear(base_linear, context, _part_sizes(owner, name, base_linear), num_slots, rank,
-                          dtype if device.type == "cuda" else torch.float32, device)  # fp32 on a CPU: lora_linear.py
+        lora = LoraLinear(base_linear, context, _part_sizes(owner, name, base_linear), num_slots, rank, dtype,
+                          device)
         setattr(owner, name, lora)
         wrapped.append((index, parts, lora))
     slots = AdapterSlots(context, wrapped, checked.sources, base, num_slots)

@@ -2,17 +2,19 @@
 product (Punica/S-LoRA's batched LoRA), never a merged copy of the base.
 
 Every LoraLinear holds `num_slots` adapter slots, each `rank` rows of one stacked A ([slots * rank, in]) and of one
-stacked B ([slots * rank, out]); slot s (1, 2, ...) owns rows (s - 1) * rank .. s * rank, and slot 0 is the base
-model (no rows). A packed projection (q/k/v in one matrix, gate/up in one) keeps each part's A rows one after the
-other in its slot, and each part's B (its scale folded in) under that part's output columns, zeros elsewhere.
+stacked B ([slots * rank, out]), in the model's dtype; slot s (1, 2, ...) owns rows (s - 1) * rank .. s * rank, and
+slot 0 is the base model (no rows). A packed projection (q/k/v in one matrix, gate/up in one) keeps each part's A
+rows one after the other in its slot, and each part's B (its scale folded in) under that part's output columns,
+zeros elsewhere: one x @ A.T and one @ B per slot reach every part.
 
-The rows of one step arrive grouped by slot (`LoraContext.segments`: start, end, slot), set before each forward. On
-a CPU each segment's rows take their own slot's products, x @ A.T once, then each part's B into its own columns
-only (a row does its own adapter's work and no other's: one product over every slot, with the other slots'
-columns masked, cost a 4-adapter step 0.68x of the base model's speed). The weights are held in fp32 there and the
-products run in fp32: oneDNN's bf16 matmuls of a few rows cost far more a call than MKL's fp32 ones, and the delta
-is rounded once, into the base's output. On CUDA, a Triton kernel (batchgen_kernels/triton_lora.py), in the
-model's dtype: every row's own slot's product in two launches, from each row's slot (`LoraContext.row_slots`)."""
+The rows of one step arrive grouped by slot (`LoraContext.segments`: start, end, slot), set before each forward.
+Two ways to the same sum on a CPU. A step of few rows (decodes) takes one product over every slot, each row's
+other slots' columns zeroed (x @ A_all.T, masked, then @ B_all): two matmuls whatever the number of adapters,
+where a call costs more than its work. A larger step (prefill chunks) takes each segment's own two products: a row
+does only its own adapter's work, which is what costs there. Measured on a 2-core AMX Xeon, decode steps of 128
+rows over 4 adapters in bf16 ran at 0.66x of the base model's with the first, 0.58x with the second (docs/
+performance.md, issue 42). On CUDA, a Triton kernel (batchgen_kernels/triton_lora.py): every row's own slot's
+product in two launches, from each row's slot (`LoraContext.row_slots`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,16 +22,34 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+# Steps of at most this many rows (decodes) take the one product over every slot; larger ones each segment's own.
+DENSE_MAX_ROWS = 512
+
 @dataclass
 class LoraContext:
     """What every LoraLinear of a model reads at each forward: the step's rows by adapter slot."""
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (first row, end row, slot); slot 0: base
+    _masks: dict = field(default_factory=dict, repr=False)  # (rank, slots, device, dtype) -> the step's row mask
     _slots: dict = field(default_factory=dict, repr=False)  # (device, slots kept) -> the step's row slots
 
     def set_segments(self, segments: list[tuple[int, int, int]]) -> None:
         self.segments = segments
+        self._masks.clear()
         self._slots.clear()
+
+    def row_mask(self, rank: int, num_slots: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, num_slots * rank]: 1 in each row's own slot's columns, 0 elsewhere (and everywhere for slot 0)."""
+        key = (rank, num_slots, device, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            rows = self.segments[-1][1] if self.segments else 0
+            mask = torch.zeros(rows, num_slots * rank, dtype=dtype)
+            for start, end, slot in self.segments:
+                if slot:
+                    mask[start:end, (slot - 1) * rank:slot * rank] = 1
+            mask = self._masks[key] = mask.to(device)
+        return mask
 
     def row_slots(self, device: torch.device, keep: frozenset[int]) -> torch.Tensor:
         """[rows] int32: each row's slot, 0 for slot 0 and for a slot not in `keep` (one that leaves the
@@ -89,6 +109,9 @@ class LoraLinear(nn.Module):
             self.loaded.pop(slot, None)
 
     def unload(self, slot: int) -> None:
+        rows = slice((slot - 1) * self.rank, slot * self.rank)
+        self.a[rows] = 0  # a step's rows of this slot add nothing (the one product over every slot reads them)
+        self.b[rows] = 0
         self.loaded.pop(slot, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,14 +125,14 @@ class LoraLinear(nn.Module):
         if delta is not None:  # on CUDA, every slot's rows in two launches (triton_lora.py)
             row_slots = self.context.row_slots(x.device, frozenset(slot for _, _, slot in segments))
             delta(flat_x, self.a, self.b, row_slots, self.num_slots, self.rank, flat_out)
+        elif len(segments) > 1 and flat_x.shape[0] <= DENSE_MAX_ROWS:
+            low = (flat_x @ self.a.T).mul_(self.context.row_mask(self.rank, self.num_slots, x.device, x.dtype))
+            flat_out.addmm_(low, self.b)
         else:
             for start, end, slot in segments:
-                parts = self.loaded[slot]
                 first = (slot - 1) * self.rank
-                a, b = self.a[first:first + parts[-1][1]], self.b[first:first + parts[-1][1]]
-                low = flat_x[start:end].to(a.dtype) @ a.T  # [rows, the slot's rank]
-                for r0, r1, c0, c1 in parts:
-                    flat_out[start:end, c0:c1] += low[:, r0:r1] @ b[r0:r1, c0:c1]
+                used = first + self.loaded[slot][-1][1]  # the slot's own rank rows
+                flat_out[start:end].addmm_(flat_x[start:end] @ self.a[first:used].T, self.b[first:used])
         return out
 
 
