@@ -9,11 +9,9 @@ the other systems of the bench load it; a directory as it is):
   (W + scale * B @ A, written as safetensors beforehand and not timed) and a fresh engine over that adapter's rows,
   one after the other: each engine's load counts, as four merged-model jobs would pay it.
 
-The two bars of the issue: batchgen-lora's output tokens/s over base's (generation time, >= 0.8x), and its job
-tokens/s (load + generation) over merged-sequential's (>= 2x). In fp32, every adapter row's greedy tokens from
-batchgen-lora must equal the merged model's (bf16 rounds W + BA and W, BA apart, so it is not checked there).
-The adapters: N = 4 random rank-8 ones over q/k/v/o/gate/up/down (random_adapter.py) in a temporary directory, or
-`--lora NAME=DIR` repeated."""
+The issue's bars: batchgen-lora's output tokens/s over base's (generation, >= 0.8x), and its job tokens/s (load +
+generation) over merged-sequential's (>= 2x); in fp32 its greedy tokens equal the merged models' (agreement()).
+The adapters: 4 random rank-8 ones on q/k/v/o/gate/up/down (random_adapter.py), or `--lora NAME=DIR` repeated."""
 from __future__ import annotations
 
 import dataclasses

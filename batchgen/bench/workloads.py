@@ -21,7 +21,6 @@ class BenchRow:
     token_ids: list[int]  # the full prompt, chat template included
     max_tokens: int
     kind: str  # labeling | generation | job | random
-    lora: str | None = None  # its LoRA adapter (the source's sort reads it, as of a job's rows); None: the base model
 
 
 @dataclass

@@ -376,10 +376,11 @@ def sort_windows(rows: Iterable[SourceRow], window: int, how: str) -> Iterator[S
         return
     # An adapter's rows together: the prefix cache shares KV within one adapter only, and a step holds at most
     # max_loras adapters. Rows without one (the base model), and error rows, come first.
+    # (Rows of other kinds, a bench's, may have no adapter at all.)
     if how == "prefix":
-        key = lambda r: (r.lora or "", r.token_ids or [])  # noqa: E731
+        key = lambda r: (getattr(r, "lora", None) or "", r.token_ids or [])  # noqa: E731
     else:
-        key = lambda r: (r.lora or "", len(r.token_ids or ()))  # noqa: E731
+        key = lambda r: (getattr(r, "lora", None) or "", len(r.token_ids or ()))  # noqa: E731
     pending: list[SourceRow] = []
     for row in rows:
         pending.append(row)
