@@ -9,8 +9,7 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
     || echo "scripts/test.sh: could not install chromium; the report tests will say so" >&2
 fi
 PY=${PYTHON:-python3}
-# Two pytest-xdist workers, each running a whole file at a time (a module's fixtures are built once), the slowest
-# files first (tests/conftest.py's SLOWEST_FILES; xdist's own reorder would put them last); tests/conftest.py gives
-# each worker, and the processes its tests start, half the cores.
+# Two pytest-xdist workers, each running a whole file at a time (a module's fixtures are built once); tests/conftest.py
+# gives each worker, and the processes its tests start, half the cores.
 # --durations: the slowest tests in every log, to keep the suite under its time budget.
-exec $PY -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 "$@"
+exec $PY -m pytest -q -n 2 --dist loadfile --durations=25 "$@"

@@ -25,19 +25,6 @@ if not torch.cuda.is_available():
     # set here, before any test module imports batchgen_kernels' Triton modules.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The files that take minutes (their tests' durations in CI, slowest first), run first: with `--dist loadfile
-# --no-loadscope-reorder` (scripts/test.sh) each xdist worker takes the next file as it frees, so the two workers end
-# together instead of one running a Ray file alone at the end (xdist's default order puts files of few tests last).
-SLOWEST_FILES = ("test_object_store_output.py", "test_ray_executor.py", "test_constrained_e2e.py", "test_plan_probe.py",
-                 "test_triton_aot.py", "test_object_store_input.py", "test_default_model.py", "test_cpu_kernels_avx2.py",
-                 "test_readme.py", "test_cpu_attention.py", "test_report.py", "test_lora_job.py")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FILES)))  # stable: the rest as collected
-
-
 _TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
 
