@@ -198,13 +198,13 @@ class PrefillGroup:
     samples nothing, and the Result built from what it kept (pooler.py). Its sampling parameters are ignored."""
 
     def __init__(self, request: Request, prompt: PrefillPrompt, task: str, params: PoolingParams,
-                 classifier: Classifier | None, defaults: ModelPooling, adapter: AdapterIdentity = BASE_MODEL) -> None:
+                 classifier: Classifier | None, defaults: ModelPooling) -> None:
         self.request_id = request.request_id
         self.task, self.params, self.classifier, self.defaults = task, params, classifier, defaults
         self.num_truncated = prompt.num_truncated
         ids = prompt.token_ids
         seq = Sequence(request.request_id, list(ids), len(ids), SamplingParams(), 0, time.monotonic(),
-                       role=SequenceRole.SCORE if task == "score" else SequenceRole.POOL, adapter=adapter)
+                       role=SequenceRole.SCORE if task == "score" else SequenceRole.POOL)
         if task == "score":  # positions score_from - 1 .. len - 2 predict the scored tokens; the end is not scored
             seq.score_from, seq.scores_end = params.score_from - 1, False
             seq.scores = [0.0] * (len(ids) - params.score_from)
