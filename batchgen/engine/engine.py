@@ -45,8 +45,10 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(self.kv_pool.num_blocks, args.block_size, args.enable_prefix_caching,
                                                self.kv_pool.local)
         self.adapters = setup.adapters  # lora.attach.AdapterSlots with EngineArgs.lora: names, salts, slots
+        self.speculator = setup.speculator  # speculative.Speculator with EngineArgs.speculative, else None
         self.scheduler = Scheduler(self.kv_cache_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   max_adapters=self.adapters.num_slots if self.adapters is not None else None)
+                                   max_adapters=self.adapters.num_slots if self.adapters is not None else None,
+                                   speculator=self.speculator)
         self.runner = setup.runner
         self.eos_token_ids = setup.eos_token_ids  # every token that ends generation, the model's own first
         self.task = args.task  # generate, or a prefill-only task (pooler.py): what every request returns
@@ -137,6 +139,8 @@ class Engine:
         out = self.scheduler.schedule()
         if not out:
             raise RuntimeError("scheduler could not schedule any work")  # the admission checks rule this out
+        if out.lookaheads:
+            out.set_drafts(self.speculator.propose(out.lookaheads))
         self.last_step = out.stats()
         self.runner.zero_blocks_below(*self.kv_cache_manager.num_touched())
         self.runner.copy_blocks(*self.kv_cache_manager.take_pending_copies())
@@ -220,7 +224,15 @@ class Engine:
             "peak_memory_bytes": peak_rss_bytes(),
             "rss_bytes": process_rss(),
             **self._lora_stats(),
+            **self._speculative_stats(),
         }
+
+    def _speculative_stats(self) -> dict:
+        """Speculative decoding: the guesses verified and the share of them that stood."""
+        s = self.scheduler
+        return {"speculative": self.speculator.config.method if self.speculator else None,
+                "spec_draft_tokens": s.num_draft_tokens, "spec_accepted_tokens": s.num_accepted_tokens,
+                "spec_acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None}
 
     def _lora_stats(self) -> dict:
         """The adapters (lora/attach.py): how many, the slots that hold them (their bytes are in weights_bytes),

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .errors import SettingError
 from .request import TASKS
+from .speculative.config import SpeculativeConfig
 
 MODEL_IMPLS = ("auto", "native", "transformers")  # models/registry.py's model_path reads them
 QUANTIZATIONS = ("int8", "int8-weight-only")  # models/quantization.py implements them (QUANTIZED_ACTIVATIONS)
@@ -62,6 +63,11 @@ class EngineArgs:
     lora: dict[str, str] | None = None  # LoRA adapters: name -> PEFT adapter directory (lora/adapter.py); a request
     # names one (Request.lora) or none (the base model)
     max_loras: int = 4  # adapters resident at once, and so in one step: beyond, read on demand (least recently used)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (speculative/config.py): a proposer guesses
+    # tokens that the model verifies in the step; greedy and seeded outputs are the same as without
+
+    def __post_init__(self) -> None:
+        self.speculative = SpeculativeConfig.of(self.speculative)  # the Python API may pass a plain dict
 
     def cpu_kv_cache_memory(self) -> str | int:
         """The KV budget this engine takes on the CPU (what CPU-side baselines should be given)."""
@@ -103,6 +109,10 @@ class EngineArgs:
             if not isinstance(self.lora, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
                                                           for k, v in self.lora.items()):
                 raise SettingError("lora", f"lora must map adapter names to adapter directories, got {self.lora!r}")
+        if self.speculative is not None:
+            self.speculative.validate()
+            if self.task != "generate":
+                raise SettingError("speculative", f"speculative decoding applies to task generate, not {self.task}")
         for name in ("enforce_eager", "enable_prefix_caching", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -90,18 +90,25 @@ class KVCacheManager:
         if local is not None:
             _grow(local.pool, seq.local_blocks, local.ids(seq), hit.local_blocks, local_hits, num_new_blocks,
                   partial if copy_local else -1, self.pending_local_copies)
-        if self.enable_prefix_caching:
-            # Blocks that this step fills become findable now: within a step every layer stores all new K/V before
-            # any attention reads them, so a sequence scheduled alongside may already share them.
-            # Only blocks from the first one this step writes to can newly fill up.
-            first = num_computed // bs
-            hashes = seq.full_block_hashes(bs, num_computed + num_new_tokens)
-            for block, block_hash in zip(seq.blocks[first:len(hashes)], hashes[first:]):
-                self.pool.cache_block(block, block_hash)
-            if local is not None:
-                for block, block_hash in zip(seq.local_blocks[first:len(hashes)], hashes[first:]):
-                    local.pool.cache_block(block, block_hash)
+        # Blocks that this step fills become findable now: within a step every layer stores all new K/V before
+        # any attention reads them, so a sequence scheduled alongside may already share them. Slots for guessed
+        # tokens (speculative decoding) are not the sequence's own tokens: cached once confirmed.
+        self.cache_full_blocks(seq, min(num_computed + num_new_tokens, seq.num_tokens), num_computed)
         return True
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int, num_cached_before: int | None = None) -> None:
+        """Make the full blocks of `seq`'s first `num_tokens` tokens findable by the prefix cache; only blocks from
+        the one holding token `num_cached_before` on can newly fill up (default: all of them)."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        first = 0 if num_cached_before is None else num_cached_before // bs
+        hashes = seq.full_block_hashes(bs, num_tokens)
+        for block, block_hash in zip(seq.blocks[first:len(hashes)], hashes[first:]):
+            self.pool.cache_block(block, block_hash)
+        if self.local is not None:
+            for block, block_hash in zip(seq.local_blocks[first:len(hashes)], hashes[first:]):
+                self.local.pool.cache_block(block, block_hash)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` takes a reference on every block of `parent` and continues from its computed tokens."""

@@ -12,6 +12,7 @@ from .pooler import pool_rows
 from .sampler import Sampler, SamplingBatch
 from .sequence import Sequence, SequenceRole
 from .sliding_window import KVLayout
+from .speculative.verify import confirmed_rows
 from .step_output import StepOutput
 
 
@@ -104,14 +105,16 @@ class ModelRunner:
         offset = 0
         for row, (seq, n) in enumerate(batch):
             start = seq.num_computed_tokens
-            ids = seq.block_ids.array
+            ids = seq.block_ids.array[: -(-(start + n) // bs)]  # not the slots of guesses that fell: written over
             block_tables[row, : len(ids)] = ids
             input_ids.extend(seq.token_ids[start:start + n])
+            if seq.draft_token_ids:  # its last token's n - 1 guesses follow it (speculative decoding)
+                input_ids.extend(seq.draft_token_ids)
             pos = np.arange(start, start + n)
             positions[offset:offset + n] = pos
             slot_mapping[offset:offset + n] = ids[pos // bs].astype(np.int64) * bs + pos % bs
             if local:
-                ids = seq.local_block_ids.array
+                ids = seq.local_block_ids.array[: -(-(start + n) // bs)]
                 local_tables[row, : len(ids)] = ids
                 local_slots[offset:offset + n] = ids[pos // bs].astype(np.int64) * bs + pos % bs
             offset += n
@@ -145,16 +148,18 @@ class ModelRunner:
                 self.lora_slots.context.set_segments(adapter_segments(batch, slots))
             hidden = self.model(input_ids, positions, metadata)
 
-        rows, sampling_seqs = [], []  # the last row of each sequence that samples
+        rows, sampling_seqs, offsets = [], [], []  # the rows that sample: their sequence, and how many guesses before
         score_rows, scoring = [], []  # the rows of scored positions, and (sequence, first position, count)
         pooling = []  # POOL sequences: (sequence, first row, rows)
         end = 0
         for seq, n in batch:
             start, end = end, end + n
             if seq.samples:
-                if seq.num_computed_tokens + n == seq.num_tokens:
-                    rows.append(end - 1)
-                    sampling_seqs.append(seq)
+                guesses = len(seq.draft_token_ids)
+                if seq.num_computed_tokens + n == seq.num_tokens + guesses:  # its last token and each guess sample
+                    rows.extend(range(end - 1 - guesses, end))
+                    sampling_seqs.extend([seq] * (guesses + 1))
+                    offsets.extend(range(guesses + 1))
             elif seq.role is SequenceRole.SCORE:
                 first = max(seq.num_computed_tokens, seq.score_from)  # positions computed now that are scored
                 count = min(seq.num_computed_tokens + n, seq.score_until) - first
@@ -172,28 +177,31 @@ class ModelRunner:
         if sampling_seqs:
             if len(rows) < hidden.shape[0]:  # else every row samples (a decode-only step): no gather, no copy
                 hidden = hidden[torch.tensor(rows).to(self.device, non_blocking=True)]
-            self._sample(self.model.compute_logits(hidden), sampling_seqs, out)
+            self._sample(self.model.compute_logits(hidden), sampling_seqs, offsets, out)
         return out
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], out: StepOutput) -> None:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int], out: StepOutput) -> None:
+        """A token for each row; a row `offsets[row]` positions after its sequence's last token is one of its
+        guesses' rows, and its guesses are kept up to the first one its own draw differs from (verify.py)."""
         wants_logprobs = [seq.params.logprobs is not None for seq in seqs]
         if any(wants_logprobs):  # the model's own distribution: before penalties, masks and temperature
             logprobs = torch.log_softmax(logits.float(), dim=-1)
         matchers = {row: seq.matcher for row, seq in enumerate(seqs) if seq.matcher is not None}
         sampling = SamplingBatch.build(
             [seq.params for seq in seqs], [seq.seed for seq in seqs],
-            [seq.num_output_tokens for seq in seqs], [seq.penalty_state for seq in seqs],
+            [seq.num_output_tokens + offset for seq, offset in zip(seqs, offsets)], [seq.penalty_state for seq in seqs],
             self.eos_token_ids, logits.shape[-1], self.device, matchers=matchers or None)
-        tokens = self.sampler(logits, sampling)
-        out.sampled, out.tokens = seqs, tokens.tolist()
-        out.logprobs = [None] * len(seqs)
+        tokens = self.sampler(logits, sampling).tolist()
+        kept = confirmed_rows(seqs, offsets, tokens)
+        out.sampled, out.tokens = [seqs[row] for row in kept], [tokens[row] for row in kept]
+        out.logprobs = [None] * len(kept)
         if any(wants_logprobs):
-            chosen = logprobs.gather(-1, tokens.view(-1, 1)).squeeze(-1).tolist()
+            chosen = logprobs.gather(-1, torch.tensor(tokens, device=logits.device).view(-1, 1)).squeeze(-1).tolist()
             k = max(seq.params.logprobs for seq in seqs if seq.params.logprobs is not None)
             tops = _top(logprobs, k)
-            for row, seq in enumerate(seqs):
+            for index, row in enumerate(kept):
                 if wants_logprobs[row]:
-                    out.logprobs[row] = (chosen[row], tops[row][: seq.params.logprobs])
+                    out.logprobs[index] = (chosen[row], tops[row][: seqs[row].params.logprobs])
 
     def _scores(self, hidden: torch.Tensor, rows: list[int], scoring: list[tuple[Sequence, int, int]]):
         """Per SCORE sequence: the logprob of the token after each scored position (hidden rows `rows`, in order);

@@ -20,6 +20,10 @@ at the tail of `running`. It lets go of its blocks once its last fork has starte
 Only when nothing else can give blocks back (the sequence that needs them is the last one running, or none runs)
 does a held PREFIX give its blocks back: it is requeued behind the waiting sequences and starts its remaining forks
 once recomputed (from the prefix cache, where its blocks are still there).
+With speculative decoding (speculative/), a decoding sequence of a small enough step is given KV slots for a few
+guessed tokens after its last one (`SchedulerOutput.lookaheads`); the guesses are computed with it, and those the
+sampler confirms count as computed, the others' slots are written over by the next step (nothing is rolled back
+but the count: blocks are cached only up to the tokens that are the sequence's own).
 With LoRA adapters, a step holds at most `max_adapters` of them (the model's slots, lora/attach.py): a waiting
 sequence whose adapter would be one too many is passed over, and admitted in order once a slot's adapter has no
 running sequence left.
@@ -44,27 +48,42 @@ class StepStats:
     num_decodes: int  # sequences adding one token after a fully computed context
     num_prefill_tokens: int  # every other scheduled token: prompts, prompt chunks, recomputation after preemption
     num_preempted: int
+    num_draft_tokens: int = 0  # guessed tokens verified beside the decodes (speculative decoding)
 
 
 @dataclass
 class SchedulerOutput:
     num_scheduled_tokens: dict[Sequence, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
+    # Decoding sequences given slots for this many guessed tokens after their last one (counted in
+    # num_scheduled_tokens until set_drafts() says how many guesses there are)
+    lookaheads: dict[Sequence, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.num_scheduled_tokens)
 
+    def set_drafts(self, drafts: dict[Sequence, list[int]]) -> None:
+        """The guesses of each sequence with a lookahead (at most that many): its tokens to compute this step
+        become its last one and its guesses."""
+        for seq, lookahead in self.lookaheads.items():
+            seq.draft_token_ids = drafts.get(seq, [])[:lookahead]
+            self.num_scheduled_tokens[seq] = 1 + len(seq.draft_token_ids)
+
     def stats(self) -> StepStats:
         decodes = sum(1 for seq, n in self.num_scheduled_tokens.items()
-                      if n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens + 1 == seq.num_tokens)
+                      if n == 1 + len(seq.draft_token_ids) and seq.num_output_tokens > 0
+                      and seq.num_computed_tokens + 1 == seq.num_tokens)
+        drafts = sum(len(seq.draft_token_ids) for seq in self.lookaheads)
         tokens = sum(self.num_scheduled_tokens.values())
-        return StepStats(len(self.num_scheduled_tokens), decodes, tokens - decodes, len(self.preempted))
+        return StepStats(len(self.num_scheduled_tokens), decodes, tokens - decodes - drafts, len(self.preempted),
+                         drafts)
 
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_adapters: int | None = None) -> None:
+                 max_adapters: int | None = None, speculator=None) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.speculator = speculator  # a speculative.Speculator, or None
         self.max_adapters = max_adapters  # LoRA adapters in one step at most (the model's slots); None: no adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -75,6 +94,8 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admission
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # guesses verified (speculative decoding), and those the sampler confirmed
+        self.num_accepted_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,12 +106,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        speculating = self.speculator is not None and self.speculator.active(len(self.running))
 
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv_cache_manager.allocate_slots(seq, num_new):
+            lookahead = min(self.speculator.lookahead(seq), budget - num_new) if speculating else 0
+            if lookahead and self.kv_cache_manager.allocate_slots(seq, num_new + lookahead):
+                out.lookaheads[seq] = lookahead
+                num_new += lookahead
+            while seq not in out.lookaheads and not self.kv_cache_manager.allocate_slots(seq, num_new):
                 if self.running[-1] is seq and self.held:  # else seq preempts itself, and could again and again
                     victim = self._release_held()
                 else:
@@ -165,13 +191,20 @@ class Scheduler:
             seq.record_pooled(first, vector)
         finished = []
         for seq, n in out.num_scheduled_tokens.items():
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # guesses count once confirmed
             if not seq.samples and seq.num_computed_tokens == seq.num_tokens:
                 if seq.role is SequenceRole.PREFIX:
                     self._hold(seq, now)
                 else:
                     self._finish(seq, "computed", now, finished)
+        previous = None
         for seq, token, logprobs in zip(step.sampled, step.tokens, step.logprobs or [None] * len(step.sampled)):
+            if seq.status is SequenceStatus.FINISHED:  # stopped at an earlier token of its guesses
+                continue
+            if seq is previous:  # its next guess was confirmed: the token before this one was computed
+                seq.num_computed_tokens += 1
+                self.num_accepted_tokens += 1
+            previous = seq
             seq.append_token(token)
             if logprobs is not None:
                 seq.append_logprobs(*logprobs)
@@ -180,6 +213,12 @@ class Scheduler:
             reason = stop_reason(seq, token)
             if reason:
                 self._finish(seq, reason, now, finished)
+        for seq in out.lookaheads:
+            guessed, seq.draft_token_ids = len(seq.draft_token_ids), []
+            self.num_draft_tokens += guessed
+            if seq.status is SequenceStatus.RUNNING:  # blocks its confirmed guesses filled become findable
+                self.kv_cache_manager.cache_full_blocks(seq, seq.num_computed_tokens,
+                                                        max(seq.num_computed_tokens - guessed - 1, 0))
         return finished
 
     def _finish(self, seq: Sequence, reason: str, now: float, finished: list[Sequence]) -> None:

@@ -132,6 +132,8 @@ class Sequence:
     pooling: str | None = None
     pooled: Any = None
     adapter: AdapterIdentity = BASE_MODEL
+    # This step's guessed next tokens (speculative decoding), computed after its last token; [] between steps
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: Request, seed: int) -> "Sequence":

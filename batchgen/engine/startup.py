@@ -31,6 +31,7 @@ from .host_malloc import PrefaultedHeap, keep_step_memory, release_freed_memory,
 from .kernel_warmup import compile_attention_kernels, uses_triton
 from .kv_pool import KVPoolSize
 from .model_runner import ModelRunner
+from .speculative import Speculator
 
 logger = logging.getLogger("batchgen")
 
@@ -54,6 +55,7 @@ class EngineSetup:
     runner: ModelRunner
     model_dir: Any = None  # the resolved model directory (a pooled model's sentence-transformers files: pooler.py)
     adapters: Any = None  # lora.attach.AdapterSlots with EngineArgs.lora, else None
+    speculator: Speculator | None = None  # with EngineArgs.speculative
 
     @property
     def device(self) -> torch.device:
@@ -161,8 +163,9 @@ def set_up(args: EngineArgs) -> EngineSetup:
             and loaded is None:  # a step's adapters are not part of a captured graph
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention,
                                                      bool(plan.kv_layout.local_layers))
+    speculator = Speculator(args.speculative, max_model_len) if args.speculative is not None else None
     return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model), eos, runner, model_dir,
-                       loaded)
+                       loaded, speculator)
 
 
 def read_lora(args: EngineArgs, description):

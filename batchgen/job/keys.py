@@ -114,6 +114,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
             raise errors[0]
         names = " or ".join(_type_name(a) for a in args if a is not type(None))
         raise JobConfigError(f"{key}: expected {names}, got {_describe(value)}")
+    if dataclasses.is_dataclass(hint):  # a mapping of its fields (engine.speculative)
+        return hint(**read_keys(keys_of(hint), value, key + "."))
     if origin is Literal:
         if value not in args:
             raise JobConfigError(f"{key}: expected one of {' | '.join(map(str, args))}, got {_describe(value)}")

@@ -19,6 +19,7 @@ def summary_table(s: dict, path: str) -> str:
         *([("dtype", s["dtype_reason"])] if s.get("dtype_reason") else []),
         *([("model path", model_path_line(stats))] if (stats := s.get("engine_stats") or {}).get("model_path") else []),
         *([("lora", lora_line(s))] if s.get("lora") else []),
+        *([("speculative", speculative_line(stats))] if stats.get("speculative") else []),
         *([("attention", why)] if (why := (s.get("engine_stats") or {}).get("attention_backend_reason")) else []),
         *memory_lines(s),
         ("output", f"{path}  ({reader_hint(s, path)})"),
@@ -53,6 +54,13 @@ def lora_line(s: dict) -> str:
         return f"{len(s['lora'])} adapters ({names})"
     return f"{len(s['lora'])} adapters ({names}), {stats['lora_slots']} resident at once, read into the model " \
            f"{stats['lora_loads']:,} times ({_mib(stats['lora_bytes'])})"
+
+
+def speculative_line(stats: dict) -> str:
+    """The proposer and how many of its guesses stood."""
+    guessed, stood = stats.get("spec_draft_tokens", 0), stats.get("spec_accepted_tokens", 0)
+    rate = f" ({stood / guessed:.0%} acceptance rate)" if guessed else ""
+    return f"{stats['speculative']}: {guessed:,} tokens guessed, {stood:,} stood{rate}"
 
 
 def rows(n: int) -> str:

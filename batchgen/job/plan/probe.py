@@ -49,6 +49,7 @@ class ProbeResult:
     per_output_token: float  # seconds, at that batch
     cut_to: int | None  # the length the prompts were cut to, where they were
     wall_s: float  # the whole probe, the start-up included
+    spec_acceptance: float | None = None  # speculative decoding: the share of guesses that stood in the probe
 
 
 class ProbeFailed(RuntimeError):
@@ -89,6 +90,9 @@ def trust_lines(found: ProbeResult) -> list[str]:
     if found.cut_to is not None:
         lines.append(f"the probe's prompts were cut to {found.cut_to:,} tokens to keep it short: the job's longer "
                      f"contexts decode slower than it measured")
+    if found.spec_acceptance is not None:
+        lines.append(f"speculative decoding in the probe: {found.spec_acceptance:.0%} of the guessed tokens stood "
+                     f"(on its greedy rows; the rate is in the estimate)")
     if found.kernel_build_s:
         lines.append(f"the probe first compiled the C++ CPU kernels ({found.kernel_build_s:.1f} s, once per machine: "
                      f"the run finds them cached; not in the estimate)")
@@ -108,6 +112,7 @@ def run_probe(args, prompts: list[list[int]], batch: int) -> ProbeResult:
     try:
         chosen, cut_to = _requests(prompts, batch, args.max_num_batched_tokens, engine.max_model_len)
         chunk_tokens, chunk_s, steps, refused = _time_steps(engine, chosen, args.max_num_batched_tokens)
+        acceptance = engine.stats()["spec_acceptance_rate"]
     finally:
         del engine
         gc.collect()  # the weights and the KV pool go now, not when the plan's process ends
@@ -116,9 +121,9 @@ def run_probe(args, prompts: list[list[int]], batch: int) -> ProbeResult:
                           "its first step computed no prompt token")
     if not steps:
         raise ProbeFailed("no step in which every request decoded")
-    per_output = statistics.median(seconds / decodes for seconds, decodes in steps)
-    return ProbeResult(load_s, kernel_build_s, chunk_tokens, chunk_s / chunk_tokens, max(d for _, d in steps),
-                       len(steps), per_output, cut_to, time.perf_counter() - started)
+    per_output = statistics.median(seconds / tokens for seconds, _, tokens in steps)
+    return ProbeResult(load_s, kernel_build_s, chunk_tokens, chunk_s / chunk_tokens, max(d for _, d, _ in steps),
+                       len(steps), per_output, cut_to, time.perf_counter() - started, acceptance)
 
 
 def _requests(prompts: list[list[int]], batch: int, chunk: int, context: int) -> tuple[list[list[int]], int | None]:
@@ -134,8 +139,9 @@ def _requests(prompts: list[list[int]], batch: int, chunk: int, context: int) ->
 
 
 def _time_steps(engine, prompts: list[list[int]], chunk: int) -> tuple[int, float, list[tuple[float, int]], str]:
-    """(prompt tokens of the first step, its seconds, [(seconds, sequences) of each timed decode step], why the
-    engine refused a request ("" when it refused none))."""
+    """(prompt tokens of the first step, its seconds, [(seconds, sequences, tokens) of each timed decode step: with
+    speculative decoding a step may make more tokens than it has sequences], why the engine refused a request (""
+    when it refused none))."""
     from batchgen.engine import Request, SamplingParams
 
     # enough tokens for every prefill step the prompts can take, and the decode steps after them
@@ -147,7 +153,7 @@ def _time_steps(engine, prompts: list[list[int]], chunk: int) -> tuple[int, floa
     chunk_tokens, chunk_s, decodes, refused = 0, 0.0, [], ""
     try:
         for step in range(most):
-            started = time.perf_counter()
+            started, sampled = time.perf_counter(), engine.num_sampled_tokens
             results = engine.step()
             seconds = time.perf_counter() - started
             refused = refused or next((r.error or "?" for r in results if r.finish_reason == "error"), "")
@@ -157,8 +163,8 @@ def _time_steps(engine, prompts: list[list[int]], chunk: int) -> tuple[int, floa
             if step == 0:  # nothing decodes yet: a pure prefill step
                 chunk_tokens, chunk_s = shape.num_prefill_tokens, seconds
             elif shape.num_prefill_tokens == 0 and shape.num_decodes:
-                decodes.append((seconds, shape.num_decodes))
-                timed = sum(s for s, _ in decodes)
+                decodes.append((seconds, shape.num_decodes, engine.num_sampled_tokens - sampled))
+                timed = sum(s for s, _, _ in decodes)
                 if len(decodes) >= MAX_DECODE_STEPS or (len(decodes) >= DECODE_STEPS and timed >= DECODE_SECONDS):
                     break
     finally:

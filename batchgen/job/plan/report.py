@@ -35,7 +35,21 @@ def _job(plan: Plan) -> list[str]:
             f"(window {c.input.sort_window:,}), max_num_seqs {e.max_num_seqs}, max_num_batched_tokens "
             f"{e.max_num_batched_tokens:,}, block_size {e.block_size}, prefix cache "
             f"{'on' if e.enable_prefix_caching else 'off'}, batch-invariant {'on' if e.batch_invariant else 'off'}",
-            model_path_line(plan.shape), *_lora(plan)]
+            model_path_line(plan.shape), *_lora(plan), *_speculative(plan)]
+
+
+def _speculative(plan: Plan) -> list[str]:
+    """Speculative decoding: the proposer, and whether this job's batch lets it run (its acceptance: time)."""
+    spec = plan.config.engine.speculative
+    if spec is None:
+        return []
+    how = f"prompt lookup ({spec.min_match}..{spec.max_match}-gram)" if spec.method == "ngram" else \
+        f"draft model {spec.model}"
+    rows = min(plan.config.engine.max_num_seqs, plan.rows_left or plan.inputs.total_rows)
+    when = f"on throughout (at most {rows:,} sequences at once)" if rows <= spec.max_batch else \
+        f"off while more than {spec.max_batch} sequences decode (this job's batch: up to {rows:,}), on as it thins"
+    return [f"speculative: {how}, up to {spec.num_tokens} guessed tokens a step and sequence; {when}; greedy and "
+            f"seeded outputs unchanged"]
 
 
 def _lora(plan: Plan) -> list[str]:

@@ -1,0 +1,37 @@
+"""Which decoding sequences guess this step, how many tokens each may guess, and the guesses themselves."""
+from __future__ import annotations
+
+from ..sequence import Sequence
+from .config import SpeculativeConfig
+from .ngram import propose_ngram
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.draft = draft  # draft.DraftProposer for method draft
+
+    def active(self, num_running: int) -> bool:
+        """Whether a step with `num_running` sequences speculates (the batch rule: config.max_batch)."""
+        return num_running <= self.config.max_batch
+
+    def lookahead(self, seq: Sequence) -> int:
+        """How many guesses `seq` may verify this step: none unless it decodes, samples without a grammar or a
+        penalty (their state follows each appended token), and has room for them before max_tokens and the
+        context's end."""
+        if not seq.samples or seq.matcher is not None or seq.penalty_state is not None:
+            return 0
+        if seq.num_computed_tokens + 1 != seq.num_tokens:
+            return 0
+        room = self.max_model_len - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(self.config.num_tokens, room))
+
+    def propose(self, lookaheads: dict[Sequence, int]) -> dict[Sequence, list[int]]:
+        """Each sequence's guesses, at most its lookahead (fewer, or none, where the proposer has none)."""
+        if self.draft is not None:
+            return self.draft.propose(lookaheads)
+        c = self.config
+        return {seq: propose_ngram(seq.token_ids, k, c.min_match, c.max_match) for seq, k in lookaheads.items()}
