@@ -152,3 +152,34 @@ def test_run_with_prompt_lookup(tmp_path, default_model_dir):
                        speculative={"method": "ngram", "num_tokens": 0}))
     assert bad.returncode == 2 and "engine.speculative.num_tokens" in bad.stderr, bad.stderr[-2000:]
     assert "Traceback" not in bad.stderr
+
+
+def test_a_draft_model_changes_no_token(plain, default_model_dir, default_int8_dir):
+    """The default model's int8 (W8A8) conversion drafting for its fp32 weights: the same tokens as without, most
+    guesses standing; its weights and KV counted in the engine's memory."""
+    results, stats, _ = _run(default_model_dir, {"method": "draft", "model": str(default_int8_dir), "num_tokens": 3})
+    _same(plain[0], results)
+    assert stats["spec_acceptance_rate"] > 0.5 and stats["spec_draft_model_bytes"] > 0, stats
+
+
+def test_a_draft_model_must_share_the_tokenizer(default_model_dir, tiny_gemma3_dir):
+    with pytest.raises(ValueError, match="speculative.model .* (does not share the model's tokenizer|sliding-window)"):
+        Engine(EngineArgs(model=str(default_model_dir), dtype="float32", kv_cache_memory="64MiB",
+                          speculative={"method": "draft", "model": str(tiny_gemma3_dir)}))
+
+
+def test_plan_says_when_speculation_runs_and_what_a_draft_holds(tmp_path, default_model_dir, default_int8_dir):
+    import polars as pl
+    pl.DataFrame({"key": [0, 1, 2], "text": COPYING}).write_parquet(tmp_path / "in.parquet")
+    ngram = _job(tmp_path, "ngram", default_model_dir, tmp_path / "in.parquet", speculative=NGRAM)
+    done = subprocess.run([sys.executable, "-m", "batchgen", "plan", str(ngram), "--no-probe"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "speculative: prompt lookup (2..4-gram), up to 4 guessed tokens" in done.stdout
+    assert "on throughout (at most 3 sequences at once)" in done.stdout, done.stdout
+    draft = _job(tmp_path, "draft", default_model_dir, tmp_path / "in.parquet", max_num_seqs=64,
+                 speculative={"method": "draft", "model": str(default_int8_dir)})
+    done = subprocess.run([sys.executable, "-m", "batchgen", "plan", str(draft), "--no-probe"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"draft model {default_int8_dir}" in done.stdout and re.search(r"draft model +[0-9.,]+ [MG]iB", done.stdout)

@@ -231,6 +231,7 @@ class Engine:
         """Speculative decoding: the guesses verified and the share of them that stood."""
         s = self.scheduler
         return {"speculative": self.speculator.config.method if self.speculator else None,
+                "spec_draft_model_bytes": self.speculator.draft_bytes if self.speculator else 0,
                 "spec_draft_tokens": s.num_draft_tokens, "spec_accepted_tokens": s.num_accepted_tokens,
                 "spec_acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None}
 

@@ -279,7 +279,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, requeue_first: bool = True) -> None:
         self.kv_cache_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0  # its blocks (and a draft model's KV in them) are gone
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if requeue_first:

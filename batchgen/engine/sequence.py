@@ -134,6 +134,7 @@ class Sequence:
     adapter: AdapterIdentity = BASE_MODEL
     # This step's guessed next tokens (speculative decoding), computed after its last token; [] between steps
     draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_computed: int = 0  # of its tokens, those a draft model's cache holds (speculative/draft.py)
 
     @classmethod
     def from_request(cls, request: Request, seed: int) -> "Sequence":

@@ -32,6 +32,7 @@ from .kernel_warmup import compile_attention_kernels, uses_triton
 from .kv_pool import KVPoolSize
 from .model_runner import ModelRunner
 from .speculative import Speculator
+from .speculative.draft import load_draft
 
 logger = logging.getLogger("batchgen")
 
@@ -163,9 +164,16 @@ def set_up(args: EngineArgs) -> EngineSetup:
             and loaded is None:  # a step's adapters are not part of a captured graph
         runner.decode_graphs = capture_decode_graphs(model, args, max_model_len, device, attention,
                                                      bool(plan.kv_layout.local_layers))
-    speculator = Speculator(args.speculative, max_model_len) if args.speculative is not None else None
-    return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model), eos, runner, model_dir,
-                       loaded, speculator)
+    speculator = None
+    if args.speculative is not None:
+        draft = None
+        if args.speculative.method == "draft":
+            draft = load_draft(args, plan.kv_pool.num_blocks, dtype.dtype, device, pack, tokenizer, model.vocab_size)
+        speculator = Speculator(args.speculative, max_model_len, draft)
+    # A draft model's weights and its KV cache are held beside the model's (the memory bound counts them)
+    draft_bytes = speculator.draft_bytes if speculator is not None else 0
+    return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model) + draft_bytes, eos, runner,
+                       model_dir, loaded, speculator)
 
 
 def read_lora(args: EngineArgs, description):

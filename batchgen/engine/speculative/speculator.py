@@ -12,6 +12,14 @@ class Speculator:
         self.max_model_len = max_model_len
         self.draft = draft  # draft.DraftProposer for method draft
 
+    @property
+    def draft_bytes(self) -> int:
+        """A draft model's weights and KV cache (in the engine's weights_bytes too)."""
+        if self.draft is None:
+            return 0
+        from ...models.accounting import weight_bytes
+        return weight_bytes(self.draft.model) + self.draft.kv_bytes
+
     def active(self, num_running: int) -> bool:
         """Whether a step with `num_running` sequences speculates (the batch rule: config.max_batch)."""
         return num_running <= self.config.max_batch

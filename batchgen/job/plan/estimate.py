@@ -126,7 +126,8 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
              "packed": memory.packed_weight_bytes(shape, dtype)
              if packing_supported(device, dtype) and not config.engine.quantization else 0,
              "kv": kv_blocks * pool.block_bytes + local_bytes, "activations": sum(activations.values()),
-             "lora": lora_slot_bytes(job.adapters, config.engine.max_loras)}
+             "lora": lora_slot_bytes(job.adapters, config.engine.max_loras),
+             "draft": draft_model_bytes(config, dtype, device, kv_blocks)}
     if device.type == "cpu":
         parts["window"] = window_bytes(config, tokens, inputs.total_rows)
         if parts["packed"]:
@@ -155,6 +156,24 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
                                computed * scale, tokens.output_bound * scale, tokens.scored * scale, time.how,
                                process_started)
     return plan
+
+
+def draft_model_bytes(config: JobConfig, dtype, device, kv_blocks: int) -> int:
+    """speculative.method draft: the draft model's weights, and its KV cache over the blocks the pool uses (its cache
+    mirrors the global pool's: speculative/draft.py)."""
+    spec = config.engine.speculative
+    if spec is None or spec.method != "draft":
+        return 0
+    from batchgen.engine.engine_plan import kv_bytes_per_token
+    from batchgen.models import ModelError
+    from batchgen.models.loader import engine_model_dir
+
+    try:
+        draft_dir = engine_model_dir(spec.model, "generate")
+    except ModelError as exc:
+        raise JobConfigError(f"engine.speculative.model: {exc}") from None
+    shape, weights = memory.inspect_model(draft_dir, dtype, device.type == "cpu")
+    return weights.loaded + kv_blocks * config.engine.block_size * kv_bytes_per_token(shape, dtype)
 
 
 def lora_slot_bytes(adapters: dict, max_loras: int) -> int:

@@ -177,11 +177,13 @@ def _memory(plan: Plan) -> list[str]:
                     "and steps take memory: the peak is the larger of loading and running",
         "window": "the sort window's token ids",
         "lora": f"{min(e.max_loras, len(plan.adapters))} LoRA adapter slots, each the largest adapter's weights file",
+        "draft": "the speculative draft model's weights and its KV cache over the same blocks",
         "baseline": "this process now: python, torch, transformers, pyarrow, tokenizer, model modules"
                     + (" (it just converted the GGUF: overstated, plan again)" if plan.converted_now else ""),
     }
     names = {"weights": "weights", "mapped": "mapped", "packed": "packed", "kv": "KV pool", "activations": "activations",
-             "window": "sort window", "released": "released", "baseline": "baseline", "lora": "lora"}
+             "window": "sort window", "released": "released", "baseline": "baseline", "lora": "lora",
+             "draft": "draft model"}
     lines = [f"{what} ~{_mib(plan.peak)} = {share:.0%} of {_mib(plan.available)} {plan.available_source}: "
              f"{verdict} (warn over {MEMORY_WARN_SHARE:.0%}, refuse over 100%)"]
     lines += [f"{names[name]:<12}{_mib(value):>10}  {explain[name]}" for name, value in parts.items() if value]
