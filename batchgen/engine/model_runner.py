@@ -93,20 +93,25 @@ class ModelRunner:
 
     def _prepare(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
-        query_lens = [n for _, n in batch]
-        seq_lens = [seq.num_computed_tokens + n for seq, n in batch]
-        block_tables = np.zeros((len(batch), -(-max(seq_lens) // bs)), dtype=np.int32)
+        # A speculating sequence's last token and guesses are attention rows of one query each, a decode's (its
+        # table repeated, each seeing the keys up to its own position): they take the decode kernels, as they would
+        # one at a time without speculation, not the prefill kernels' other arithmetic (bf16 tiles on AMX, say).
+        rows = [(seq, n, 1 if seq.draft_token_ids else n) for seq, n in batch]
+        query_lens = [q for _, n, q in rows for _ in range(n // q)]
+        seq_lens = [seq.num_computed_tokens + end for seq, n, q in rows for end in range(q, n + 1, q)]
+        block_tables = np.zeros((len(query_lens), -(-max(seq_lens) // bs)), dtype=np.int32)
         input_ids: list[int] = []
         positions = np.empty(sum(query_lens), dtype=np.int64)
         slot_mapping = np.empty_like(positions)
         local = self.local_kv is not None  # the local group's tables: 0 (its null block) where nothing is held
         local_tables = np.zeros_like(block_tables) if local else None
         local_slots = np.empty_like(positions) if local else None
-        offset = 0
-        for row, (seq, n) in enumerate(batch):
+        offset = table_row = 0
+        for seq, n, q in rows:
             start = seq.num_computed_tokens
+            table = slice(table_row, table_row + n // q)
             ids = seq.block_ids.array[: -(-(start + n) // bs)]  # not the slots of guesses that fell: written over
-            block_tables[row, : len(ids)] = ids
+            block_tables[table, : len(ids)] = ids
             input_ids.extend(seq.token_ids[start:start + n])
             if seq.draft_token_ids:  # its last token's n - 1 guesses follow it (speculative decoding)
                 input_ids.extend(seq.draft_token_ids)
@@ -115,9 +120,10 @@ class ModelRunner:
             slot_mapping[offset:offset + n] = ids[pos // bs].astype(np.int64) * bs + pos % bs
             if local:
                 ids = seq.local_block_ids.array[: -(-(start + n) // bs)]
-                local_tables[row, : len(ids)] = ids
+                local_tables[table, : len(ids)] = ids
                 local_slots[offset:offset + n] = ids[pos // bs].astype(np.int64) * bs + pos % bs
             offset += n
+            table_row += n // q
         metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, slot_mapping, self.device)
         if local:
             metadata.with_local_tables(local_tables, local_slots, self.device)
@@ -134,12 +140,13 @@ class ModelRunner:
     def execute(self, scheduled: dict[Sequence, int]) -> StepOutput:
         """Run one step: sample a token for each GENERATE sequence that reached its last token, score the
         positions of SCORE sequences, keep what POOL sequences pool."""
-        # Decodes (one new token) first: the attention backends batch them together. Then, within each, the rows of
-        # one LoRA adapter together: its product runs once over them (lora_linear.py).
+        # Decodes (one new token, and any guesses after it) first: the attention backends batch them together. Then,
+        # within each, the rows of one LoRA adapter together: its product runs once over them (lora_linear.py).
         slots = {}
         if self.lora_slots is not None:
             slots = self.lora_slots.assign({seq.adapter.name for seq in scheduled if seq.adapter.name is not None})
-        batch = sorted(scheduled.items(), key=lambda item: (item[1] != 1, slots.get(item[0].adapter.name, 0)))
+        batch = sorted(scheduled.items(), key=lambda item: (item[1] - len(item[0].draft_token_ids) != 1,
+                                                            slots.get(item[0].adapter.name, 0)))
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.run(batch)
         else:
