@@ -106,3 +106,18 @@ def test_int8_attention_is_close_to_the_unquantized():
     exact = reference.paged_attention(q, kc, vc, md, 0.125)
     error = (got.float() - exact.float()).norm() / exact.float().norm()
     assert error < 0.03, error
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_amx_prefill_reads_int8(window):
+    """bf16 prefills on AMX tiles over an int8 cache (its rows dequantized to bf16 as they are packed), where this CPU
+    has AMX: against the reference on the same int8 cache."""
+    from batchgen_kernels import amx
+    if not amx.available():
+        pytest.skip(f"no AMX here: {amx.status().reason}")
+    q, k8, v8, scales, md, _ = int8_case([1, 40, 17, 100], [30, 40, 90, 300], group=3, head_dim=64, seed=11)
+    out = torch.empty_like(q)
+    torch.ops.batchgen.paged_prefill_amx_int8_(q, k8, v8, *scales, md.block_tables, md.seq_lens, md.query_start_loc,
+                                               md.num_decodes, 0.125, -1 if window is None else window, out)
+    expected = reference.paged_attention(q, k8, v8, md, 0.125, window, kv_scales=scales)
+    assert_close(out[1:], expected[1:])

@@ -3,7 +3,7 @@ one call of one C++ kernel (csrc/paged_decode_cpu.cpp) and its prefill rows in o
 (csrc/paged_prefill_cpu.cpp; bf16 on a CPU with AMX: csrc/amx/paged_prefill_amx.cpp, amx.py); all read K/V in place
 through the block tables instead of gathering them. Stores are the reference's, but for an int8 cache
 (`kv_scales`: csrc/paged_int8_cpu.cpp quantizes as it stores, its own decode kernel reads the int8 rows, and the
-prefill kernel dequantizes them as it packs each work item's keys; never on AMX tiles).
+prefill kernels, AVX-512's or AMX's, dequantize them as they pack each work item's keys).
 
 `get_backend` hands this module out only after `cpu_build.load()` succeeded, so the torch.ops.batchgen kernels exist
 whenever paged_attention runs.
@@ -65,8 +65,11 @@ def paged_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     positions). The kernel takes q in the cache's dtype; any other pairing goes to the reference. bf16 runs on AMX
     tiles where amx.status() says they can."""
     if kv_scales is not None:
-        torch.ops.batchgen.paged_prefill_int8_(q, k_cache, v_cache, *kv_scales, md.block_tables, md.seq_lens,
-                                               md.query_start_loc, md.num_decodes, scale, kernel_window(window), out)
+        kernel = torch.ops.batchgen.paged_prefill_int8_
+        if q.dtype == torch.bfloat16 and amx.available():
+            kernel = torch.ops.batchgen.paged_prefill_amx_int8_
+        kernel(q, k_cache, v_cache, *kv_scales, md.block_tables, md.seq_lens, md.query_start_loc, md.num_decodes,
+               scale, kernel_window(window), out)
         return
     if q.dtype != k_cache.dtype:
         reference.paged_prefills(q, k_cache, v_cache, md, scale, out, window)
