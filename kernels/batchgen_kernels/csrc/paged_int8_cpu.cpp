@@ -18,6 +18,7 @@
 
 #include "vec16.h"
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -32,10 +33,14 @@ namespace {
 constexpr int64_t kTile = 16;
 typedef int8_t Byte16 __attribute__((vector_size(16)));
 
-inline Vec16 widen_int8(const int8_t* p) {
+inline Vec16 widen_int8(const int8_t* p) {  // 16 int8 values as fp32: vpmovsxbd, vcvtdq2ps
+#ifdef __AVX512F__
+  return (Vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
   Byte16 raw;
   std::memcpy(&raw, p, sizeof raw);
   return __builtin_convertvector(raw, Vec16);
+#endif
 }
 
 float element(const at::Tensor& t, int64_t i) {
