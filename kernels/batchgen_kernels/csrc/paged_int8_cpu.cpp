@@ -1,14 +1,11 @@
-// The int8 KV cache on the CPU (engine.kv_cache_dtype: int8): the store that quantizes as it writes, and the paged
-// decode that reads the int8 rows in place.
-//
-// Layout: K and V caches int8 [N, bs, Hkv, D] with one fp32 scale per (slot, kv head) beside each, [N, bs, Hkv]:
-// x ~= q * scale, scale = absmax(x over D) / 127, q = round(x * (127 / absmax)) (ties to even, as torch.round; the
-// reference, reference.quantize_kv, computes the same fp32 arithmetic, so stores are bit-identical).
+// The paged decode over an int8 KV cache (engine.kv_cache_dtype: int8; the layout and the store that quantizes:
+// kv_int8_store_cpu.cpp), reading the int8 rows in place, and the int8 entry of the prefill kernel.
 // Decode: the structure of paged_decode_cpu.cpp (one item per (sequence, kv head), longest first; tiles of 16 keys;
 // an online softmax for the `group` query heads of the kv head) with the dequantization folded into the arithmetic:
 // a tile's 16 scores are multiplied by its 16 keys' scales once, and each value row's probability by its scale, so
-// an int8 row is only widened to fp32 (vpmovsxbd + vcvtdq2ps), never rescaled element by element. Half the bytes of
-// a bf16 row are read. Head dims other than 16-256 in steps of 16 take a plain per-key loop.
+// an int8 row is only widened (keys to int16 for vpdpwssd against an int16 query with AVX512_VNNI; values to fp32),
+// never rescaled element by element. Half the bytes of a bf16 row are read. Head dims other than 16-256 in steps of
+// 16 take a plain per-key loop.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -41,61 +38,6 @@ inline Vec16 widen_int8(const int8_t* p) {  // 16 int8 values as fp32: vpmovsxbd
   std::memcpy(&raw, p, sizeof raw);
   return __builtin_convertvector(raw, Vec16);
 #endif
-}
-
-float element(const at::Tensor& t, int64_t i) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return t.const_data_ptr<float>()[i];
-    case at::kBFloat16: return static_cast<float>(t.const_data_ptr<c10::BFloat16>()[i]);
-    default: return static_cast<float>(t.const_data_ptr<c10::Half>()[i]);
-  }
-}
-
-// Quantize one row of `dim` values (from `src`'s element `offset` on) into `dst`, returning its scale.
-float quantize_row(const at::Tensor& src, int64_t offset, int64_t dim, int8_t* dst, float* buffer) {
-  float absmax = 0.0f;
-  for (int64_t d = 0; d < dim; ++d) {
-    buffer[d] = element(src, offset + d);
-    absmax = std::max(absmax, std::fabs(buffer[d]));
-  }
-  const float inv = absmax > 0.0f ? 127.0f / absmax : 0.0f;
-  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(buffer[d] * inv));
-  return absmax / 127.0f;
-}
-
-void store_kv_int8_(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
-                    at::Tensor k_scale, at::Tensor v_scale, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.is_contiguous() && value.is_contiguous(),
-              "store_kv_int8: key and value must be contiguous [T, Hkv, D] of one shape");
-  TORCH_CHECK(key.scalar_type() == value.scalar_type() &&
-                  (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16 ||
-                   key.scalar_type() == at::kHalf),
-              "store_kv_int8: key and value must be float32, bfloat16 or float16");
-  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 4,
-              "store_kv_int8: the caches must be contiguous int8 [N, bs, Hkv, D]");
-  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
-                  k_scale.is_contiguous() && v_scale.is_contiguous() && k_scale.numel() * k_cache.size(3) ==
-                  k_cache.numel() && v_scale.numel() == k_scale.numel(),
-              "store_kv_int8: the scales must be contiguous float32 [N, bs, Hkv]");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0),
-              "store_kv_int8: slot_mapping must be int64 [T]");
-  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
-  TORCH_CHECK(heads == k_cache.size(2) && dim == k_cache.size(3), "store_kv_int8: key's heads or dim differ");
-  const int64_t slots = k_cache.size(0) * k_cache.size(1);
-  const at::Tensor mapping = slot_mapping.contiguous();
-  const int64_t* slot = mapping.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "store_kv_int8: slot out of range");
-  int8_t *kc = k_cache.data_ptr<int8_t>(), *vc = v_cache.data_ptr<int8_t>();
-  float *ks = k_scale.data_ptr<float>(), *vs = v_scale.data_ptr<float>();
-  at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(dim);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / heads, h = i % heads, row = slot[t] * heads + h;
-      ks[row] = quantize_row(key, i * dim, dim, kc + row * dim, buffer.data());
-      vs[row] = quantize_row(value, i * dim, dim, vc + row * dim, buffer.data());
-    }
-  });
 }
 
 struct Decode {
@@ -141,12 +83,21 @@ struct Decode {
 };
 
 struct Scratch {
-  std::vector<float> q, acc, probs, run_max, run_sum, correction;
+  std::vector<float> q, acc, probs, run_max, run_sum, correction, q_scale;
+  std::vector<int16_t> q16;  // the VNNI path's query rows, int16 with a scale each (q_scale)
   std::vector<Vec16> partial;
   Scratch(int64_t group, int64_t dim)
       : q(group * dim), acc(group * dim), probs(group * kTile), run_max(group), run_sum(group), correction(group),
-        partial(group * kTile) {}
+        q_scale(group), q16(group * dim), partial(group * kTile) {}
 };
+
+// With AVX512_VNNI, keys are scored by vpdpwssd: the query rows as int16 (round(x * 32767 / absmax): 2^-15 of
+// their largest value, far below the keys' int8 rounding), the keys widened to int16, exact int32 sums.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHaveVnni = true;
+#else
+constexpr bool kHaveVnni = false;
+#endif
 
 template <int C>
 constexpr int kValueRows = C <= 4 ? 4 : (C <= 5 ? 3 : (C <= 8 ? 2 : 1));
@@ -178,9 +129,18 @@ __attribute__((noinline)) void accumulate_rows(float* acc, const float* w, const
 template <int C>
 void attend(const Decode& d, int64_t seq, int64_t head, Scratch& s) {
   constexpr int64_t dim = 16 * C;
+  constexpr bool kVnni = kHaveVnni && C % 2 == 0;
   const int64_t group = d.group, len = d.lens[seq];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < dim; ++i) s.q[g * dim + i] = d.q_at(seq, head * group + g, i) * d.scale;
+  for (int64_t g = 0; g < group; ++g) {
+    float absmax = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) {
+      s.q[g * dim + i] = d.q_at(seq, head * group + g, i) * d.scale;
+      absmax = std::max(absmax, std::fabs(s.q[g * dim + i]));
+    }
+    const float inv = absmax > 0.0f ? 32767.0f / absmax : 0.0f;
+    for (int64_t i = 0; i < dim; ++i) s.q16[g * dim + i] = static_cast<int16_t>(std::nearbyint(s.q[g * dim + i] * inv));
+    s.q_scale[g] = kVnni ? absmax / 32767.0f : 1.0f;
+  }
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   std::fill(s.run_max.begin(), s.run_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.run_sum.begin(), s.run_sum.end(), 0.0f);
@@ -206,7 +166,20 @@ void attend(const Decode& d, int64_t seq, int64_t head, Scratch& s) {
         __builtin_prefetch(d.v + (next + t * d.kv_heads) * dim, 0, 2);
       }
     }
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = 0; t < n && kVnni; ++t) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      __m512i k[C / 2];
+      for (int c = 0; c < C / 2; ++c)
+        k[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k_rows[t] + 32 * c)));
+      for (int64_t g = 0; g < group; ++g) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int c = 0; c < C / 2; ++c)
+          sum = _mm512_dpwssd_epi32(sum, _mm512_loadu_si512(s.q16.data() + g * dim + 32 * c), k[c]);
+        s.partial[g * kTile + t] = (Vec16)_mm512_cvtepi32_ps(sum);
+      }
+#endif
+    }
+    for (int64_t t = 0; t < n && !kVnni; ++t) {
       Vec16 k[C];
       for (int c = 0; c < C; ++c) k[c] = widen_int8(k_rows[t] + 16 * c);
       for (int64_t g = 0; g < group; ++g) {
@@ -220,7 +193,7 @@ void attend(const Decode& d, int64_t seq, int64_t head, Scratch& s) {
     for (int64_t t = 0; t < n; ++t) k_scale[t] = k_scales[t], v_scale[t] = v_scales[t];
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t t = n; t < kTile; ++t) s.partial[g * kTile + t] = Vec16{};
-      Vec16 x = sum_lanes_each(s.partial.data() + g * kTile) * k_scale;
+      Vec16 x = sum_lanes_each(s.partial.data() + g * kTile) * (k_scale * s.q_scale[g]);
       if (n < kTile) x = lane < static_cast<float>(n) ? x : minus_inf;
       const float tile_max = std::max(s.run_max[g], max_lanes(x));
       Vec16 p = exp16(x - tile_max);
@@ -370,8 +343,6 @@ void paged_prefill_int8_(const at::Tensor& q, const at::Tensor& k_cache, const a
 }
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
-  m.def("store_kv_int8_(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, "
-        "Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
   m.def("paged_decode_int8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "
         "Tensor block_tables, Tensor seq_lens, float scale, int window) -> Tensor");
   m.def("paged_prefill_int8_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "
@@ -380,7 +351,6 @@ TORCH_LIBRARY_FRAGMENT(batchgen, m) {
 }
 
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) {
-  m.impl("store_kv_int8_", &store_kv_int8_);
   m.impl("paged_decode_int8", &paged_decode_int8);
   m.impl("paged_prefill_int8_", &paged_prefill_int8_);
 }
