@@ -132,3 +132,23 @@ def test_a_job_reports_the_halved_bytes_in_success(tmp_path, default_int8_dir):
     assert summaries["int8"]["kv_cache_dtype"] == "int8" and summaries["auto"]["kv_cache_dtype"] == "bfloat16"
     # SmolLM2-135M: 30 layers x 2 x 3 kv heads x (64 + 4) bytes against x 64 x 2 bytes
     assert summaries["int8"]["kv_bytes_per_token"] == 12_240 and summaries["auto"]["kv_bytes_per_token"] == 23_040
+
+
+def test_plan_advice_reads_this_cpu_kinds_record(tmp_path):
+    from batchgen.job.plan.kv_advice import advise_kv_cache
+    from batchgen.machine import machine_info
+
+    device = {"type": "cpu", **machine_info()}
+    record = {"kind": "kv-int8", "date": "2026-12-05T18:00:00", "machine": machine_info(), "model": "default",
+              "dtype": "bfloat16", "decode": {"batch": 16, "context": 4096, "cases": [{"best_ms": 180.0},
+                                                                                   {"best_ms": 120.0}]},
+              "labeling": {"rows": 200, "cases": [{"generation_s": 60.0}, {"generation_s": 62.0}],
+                           "agreement": {"label_share": 0.99, "identical_share": 0.8}}}
+    archive = tmp_path / "archive.jsonl"
+    archive.write_text(json.dumps(record) + "\n")
+    short = advise_kv_cache(archive, device, "auto", 300, pool_limited=False)
+    assert "decode step, 16 rows of 4,096 tokens: 180 ms, int8 120 ms (1.50x)" in short[1]
+    assert short[-1].strip().startswith("engine.kv_cache_dtype: int8 would not pay for this job")
+    assert "would pay" in advise_kv_cache(archive, device, "auto", 3000, pool_limited=False)[-1]
+    assert "pays for this job: the KV pool limits" in advise_kv_cache(archive, device, "int8", 300, True)[-1]
+    assert advise_kv_cache(tmp_path / "none.jsonl", device, "auto", 300, False) == []
