@@ -152,3 +152,24 @@ def test_plan_advice_reads_this_cpu_kinds_record(tmp_path):
     assert "would pay" in advise_kv_cache(archive, device, "auto", 3000, pool_limited=False)[-1]
     assert "pays for this job: the KV pool limits" in advise_kv_cache(archive, device, "int8", 300, True)[-1]
     assert advise_kv_cache(tmp_path / "none.jsonl", device, "auto", 300, False) == []
+
+
+@pytest.mark.parametrize("fixture,impl", [("tiny_gemma3_dir", "auto"), ("tiny_llama_dir", "transformers")])
+def test_sliding_windows_and_the_generic_path(request, fixture, impl):
+    """Gemma 3's sliding-window layers (their own KV group and pool, int8 too) and the generic path (transformers'
+    modeling code on the engine): int8 KV runs, and with batch_invariant a row alone is the row in a batch."""
+    model = request.getfixturevalue(fixture)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 300, (int(n),), generator=gen).tolist() for n in (5, 90, 200, 150)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def generate(**engine):
+        eng = Engine(EngineArgs(model=str(model), dtype="float32", kv_cache_dtype="int8", kv_cache_memory="8MiB",
+                                batch_invariant=True, model_impl=impl, **engine))
+        out = {r.request_id: r.token_ids for r in eng.generate(Request(i, p, params) for i, p in enumerate(prompts))}
+        assert eng.stats()["kv_cache_dtype"] == "int8"
+        return out
+
+    together = generate()
+    assert all(len(ids) == 8 for ids in together.values())
+    assert generate(max_num_seqs=1) == together
