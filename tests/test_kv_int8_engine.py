@@ -173,3 +173,15 @@ def test_sliding_windows_and_the_generic_path(request, fixture, impl):
     together = generate()
     assert all(len(ids) == 8 for ids in together.values())
     assert generate(max_num_seqs=1) == together
+
+
+def test_the_triton_kernels_refuse_it_by_name():
+    from batchgen.engine.cpu_features import DtypeChoice
+    from batchgen.engine.engine_plan import EngineTarget, kv_cache_dtype
+
+    cuda = EngineTarget(torch.device("cuda"), DtypeChoice(torch.bfloat16, "bfloat16: auto on CUDA"))
+    with pytest.raises(SettingError, match="Triton kernels do not read it yet") as info:
+        kv_cache_dtype(EngineArgs(kv_cache_dtype="int8"), cuda)
+    assert info.value.key == "kv_cache_dtype"
+    assert kv_cache_dtype(EngineArgs(kv_cache_dtype="int8", attention_backend="torch"), cuda) == torch.int8
+    assert kv_cache_dtype(EngineArgs(), cuda) == torch.bfloat16
