@@ -185,3 +185,18 @@ def test_the_triton_kernels_refuse_it_by_name():
     assert info.value.key == "kv_cache_dtype"
     assert kv_cache_dtype(EngineArgs(kv_cache_dtype="int8", attention_backend="torch"), cuda) == torch.int8
     assert kv_cache_dtype(EngineArgs(), cuda) == torch.bfloat16
+
+
+def test_n_samples_fork_the_int8_blocks_and_their_scales(model_dir):
+    """n samples share the prompt's blocks and copy its partial last block (K/V and scales) for each sample: with a
+    fixed seed per sample the answers are those of the same rows asked one sample at a time."""
+    prompt = list(range(1, 40))  # 39 tokens: a partial last block, copied on write
+
+    def sample(n, seed):
+        eng = Engine(EngineArgs(model=str(model_dir), device="cpu", dtype="float32", kv_cache_dtype="int8",
+                                kv_cache_memory="8MiB", batch_invariant=True))
+        params = SamplingParams(max_tokens=10, temperature=0.9, n=n, seed=seed, ignore_eos=True)
+        return [r.token_ids for r in sorted(eng.generate([Request(0, prompt, params)]), key=lambda r: r.sample_index)]
+
+    both = sample(2, 7)
+    assert len(both) == 2 and both[0] == sample(1, 7)[0]
