@@ -91,9 +91,9 @@ def test_preemption_and_prefix_caching_keep_every_row(model_dir):
 @pytest.mark.slow
 def test_agreement_with_the_model_dtype_cache_on_the_default_model():
     """The bench's labeling workload on the default model in bf16: choice labels (exact scoring) and free greedy rows
-    with the int8 cache against the bf16 one. The floors are what this measured on an AMX Xeon (docs/performance.md,
-    "Issue 43: KV int8"), less a margin; free greedy on this workload is near-tie bound: two bf16 kernels (AMX and
-    AVX512_BF16 prefill) agree on ~83% of rows."""
+    with the int8 cache against the bf16 one. The floors are below what was measured on an AMX Xeon (docs/performance.md,
+    "Issue 43: KV int8": 93% of labels, 81% of rows at 128 rows): this model is near-tie bound on this workload, two
+    bf16 kernels (AMX and AVX512_BF16 prefill, the same bf16 cache) agreeing on 94% of labels and 83% of rows."""
     from batchgen.bench.workloads import LABELING_LABELS, synthetic_workload
 
     outputs = {}
@@ -109,7 +109,7 @@ def test_agreement_with_the_model_dtype_cache_on_the_default_model():
     (free_bf16, labels_bf16), (free_int8, labels_int8) = outputs["auto"], outputs["int8"]
     label_share = sum(labels_bf16[i] == labels_int8[i] for i in labels_bf16) / len(labels_bf16)
     row_share = sum(free_bf16[i] == free_int8[i] for i in free_bf16) / len(free_bf16)
-    assert label_share >= 0.95, label_share
+    assert label_share >= 0.9, label_share
     assert row_share >= 0.7, row_share
 
 
