@@ -253,7 +253,7 @@ def history_table(path: Path) -> str:
             tasks += task_history_lines(entry)
             continue
         commit = (entry.get("git_commit") or "-")[:8]
-        for name, f in entry["systems"].items():
+        for name, f in entry.get("systems", {}).items():  # a kv-int8 record (dev/bench_kv_int8.py) has none
             compared = entry.get("comparisons", {}).get(name, {})
             if f["available"]:
                 figures = [_fmt(f["wall_s"]), _fmt(f["output_tok_s"]), _fmt(f.get("prefix_cache_hit_rate"), ".0%"),

@@ -209,6 +209,8 @@ class Engine:
             "kv_pool_bytes": kv.bytes,
             "kv_pool_reason": kv.reason,
             "kv_block_bytes": kv.block_bytes,
+            "kv_cache_dtype": str(self.plan.cache_dtype).removeprefix("torch."),  # engine.kv_cache_dtype
+            "kv_bytes_per_token": self.plan.kv_bytes_per_token,
             "kv_blocks_in_use": pool.num_in_use,
             "kv_peak_blocks_used": pool.peak_in_use,
             # the pools' peaks added: what they held at once is at most this

@@ -41,6 +41,8 @@ class EngineArgs:
     task: str = "generate"  # generate | embed | classify | score (request.TASKS): what every request returns;
     # the last three run prefill only (PoolingParams), an encoder model (BERT family) on encoder_engine.py
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (K and V as int8 with an fp32 scale per token and
+    # kv head: half a bf16 cache's bytes per token; read in place by the CPU kernels; engine_plan.kv_bytes_per_token)
     device: str = "auto"  # auto | cpu | cuda
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
@@ -79,7 +81,7 @@ class EngineArgs:
             raise SettingError("model", f"model must be a non-empty string, got {self.model!r}")
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda"),
                    "attention_backend": ("auto", "torch", "triton", "cpu"),
-                   "model_impl": MODEL_IMPLS, "task": TASKS}
+                   "model_impl": MODEL_IMPLS, "task": TASKS, "kv_cache_dtype": ("auto", "int8")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise SettingError(name, f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")

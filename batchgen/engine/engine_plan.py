@@ -53,6 +53,11 @@ class EnginePlan:
     kv_pool: KVPoolSize  # its blocks and why (the budget and where it came from, or max_num_seqs' cap)
     max_model_len: int  # the shortest of: asked for, the model's context, what the KV cache holds
     context_limit: str  # which of them it is, e.g. "engine.max_model_len is 512 tokens"
+    kv_dtype: torch.dtype | None = None  # the KV cache's: torch.int8 (engine.kv_cache_dtype: int8); None: the model's
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.target.dtype.dtype
 
     @property
     def device(self) -> torch.device:
@@ -114,9 +119,25 @@ def kv_layout_of(model: ModelDescription) -> KVLayout:
 
 
 def kv_bytes_per_token(model: ModelDescription, dtype: torch.dtype, num_layers: int | None = None) -> int:
-    """K and V of every layer (or of `num_layers` of them) for one token: the one formula."""
+    """K and V of every layer (or of `num_layers` of them) for one token: the one formula. An int8 cache holds a
+    byte per element and an fp32 scale per kv head."""
     layers = model.num_layers if num_layers is None else num_layers
+    if dtype == torch.int8:
+        return 2 * layers * model.num_kv_heads * (model.head_dim + 4)
     return 2 * layers * model.num_kv_heads * model.head_dim * torch.finfo(dtype).bits // 8
+
+
+def kv_cache_dtype(args: EngineArgs, target: EngineTarget, attention: BackendChoice | None = None) -> torch.dtype:
+    """The KV cache's dtype: the model's, or int8 (engine.kv_cache_dtype), which the CPU kernels and the torch
+    reference read; SettingError where the chosen kernels cannot (Triton's do not take it yet)."""
+    if args.kv_cache_dtype != "int8":
+        return target.dtype.dtype
+    if target.device.type == "cuda" and args.attention_backend != "torch" or (
+            attention is not None and attention.name == "triton"):
+        raise SettingError("kv_cache_dtype", "kv_cache_dtype int8 runs on the CPU kernels and the torch reference; "
+                                             "the Triton kernels do not read it yet: set attention_backend: torch "
+                                             "or kv_cache_dtype: auto on CUDA")
+    return torch.int8
 
 
 def kv_group_bytes(layout: KVLayout, model: ModelDescription, dtype: torch.dtype) -> tuple[int, LocalLayers | None]:
@@ -151,7 +172,8 @@ def plan_engine(args: EngineArgs, model: ModelDescription, memory: Callable[[], 
     SettingError for a setting that this model on this machine cannot honour (a budget under 2 blocks, ...)."""
     target = target or resolve_target(args.device, args.dtype, args.quantization)
     layout = kv_layout_of(model)
-    per_token, local = kv_group_bytes(layout, model, target.dtype.dtype)
+    cache_dtype = kv_cache_dtype(args, target, attention)
+    per_token, local = kv_group_bytes(layout, model, cache_dtype)
     budget = kv_cache_budget(args, target.device.type, memory)
     if budget is None:
         raise ValueError("on CUDA without kv_cache_memory the KV budget needs a memory figure (measured or estimated)")
@@ -160,4 +182,5 @@ def plan_engine(args: EngineArgs, model: ModelDescription, memory: Callable[[], 
                         args.max_num_batched_tokens)
     return EnginePlan(model, target, attention, layout, per_token, pool,
                       context_length(args, model.max_model_len, pool.num_blocks),
-                      context_limit(args, model.max_model_len, pool.num_blocks))
+                      context_limit(args, model.max_model_len, pool.num_blocks),
+                      torch.int8 if cache_dtype == torch.int8 else None)

@@ -27,13 +27,16 @@ class GroupCache:
     The torch attention reads whole blocks and masks the positions past a sequence's end, and a masked NaN from
     uninitialised memory would still poison 0 * v, so a block is zeroed before its first use (zero_below); stale K/V
     of an earlier sequence is finite, hence safe. On the CPU the cache is left unwritten until then, so its pages
-    become resident only as blocks are used."""
+    become resident only as blocks are used. An int8 cache (engine.kv_cache_dtype) has its fp32 scales beside it,
+    [its layers, 2, blocks, block_size, Hkv], zeroed and copied with it."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         on_cpu = device.type == "cpu"
         self.tensor = (torch.empty if on_cpu else torch.zeros)(shape, dtype=dtype, device=device)
+        self.scales = None if dtype != torch.int8 else (torch.empty if on_cpu else torch.zeros)(
+            shape[:-1], dtype=torch.float32, device=device)
         self.num_zeroed = 0 if on_cpu else num_blocks  # blocks [0, this) hold finite values
 
     def zero_below(self, num_blocks: int) -> None:
@@ -41,6 +44,8 @@ class GroupCache:
         (it hands out never-used blocks in id order)."""
         if num_blocks > self.num_zeroed:
             self.tensor[:, :, self.num_zeroed:num_blocks].zero_()
+            if self.scales is not None:
+                self.scales[:, :, self.num_zeroed:num_blocks].zero_()
             self.num_zeroed = num_blocks
 
     def copy(self, copies: list[tuple[int, int]], device: torch.device) -> None:
@@ -50,7 +55,7 @@ class GroupCache:
         if copies:
             src = torch.tensor([c[0] for c in copies], device=device)
             dst = torch.tensor([c[1] for c in copies], device=device)
-            for layer in self.tensor:
+            for layer in self.tensor if self.scales is None else (*self.tensor, *self.scales):
                 layer[:, dst] = layer[:, src]
 
 
@@ -70,10 +75,14 @@ class ModelRunner:
         self.local_kv = None if pool.local is None else GroupCache(
             model, len(layout.local_layers), pool.local.num_blocks, pool.block_size, dtype, device)
         caches = [None] * model.num_layers  # each layer's [2, blocks, block_size, Hkv, D]
+        scales = [None] * model.num_layers  # an int8 cache's, each layer's (K scales, V scales)
         for group, layers in ((self.kv, layout.global_layers), (self.local_kv, layout.local_layers)):
             for index, layer in enumerate(layers):
                 caches[layer] = group.tensor[index]
-        model.bind_kv_cache([cache[0] for cache in caches], [cache[1] for cache in caches], attention_backend)
+                if group.scales is not None:
+                    scales[layer] = (group.scales[index, 0], group.scales[index, 1])
+        model.bind_kv_cache([cache[0] for cache in caches], [cache[1] for cache in caches], attention_backend,
+                            scales if dtype == torch.int8 else None)
 
     @property
     def kv_cache(self) -> torch.Tensor:

@@ -151,7 +151,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
         target, attention)
     log_kv_pool(plan)
     max_model_len = plan.max_model_len
-    runner = ModelRunner(model, plan.kv_pool, plan.kv_layout, dtype.dtype, device, eos, args.attention_backend)
+    runner = ModelRunner(model, plan.kv_pool, plan.kv_layout, plan.cache_dtype, device, eos, args.attention_backend)
     if loaded is not None:
         runner.lora_slots = loaded
     if device.type == "cpu":  # after the weights and the KV cache, which stay mapped apart
@@ -301,9 +301,10 @@ def check_attention_shape(args: EngineArgs, device: torch.device, dtype: torch.d
 
 def log_kv_pool(plan: EnginePlan) -> None:
     pool, model = plan.kv_pool, plan.model
+    element = "int8 + an fp32 scale per kv head" if plan.kv_dtype == torch.int8 else str(plan.dtype.dtype)
     logger.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dims x %s), %d blocks of %d = %d tokens,"
                 " %.2f GiB, from %s", plan.kv_bytes_per_token, len(plan.kv_layout.global_layers), model.num_kv_heads,
-                model.head_dim, plan.dtype.dtype, pool.num_blocks, pool.block_size, pool.tokens, pool.bytes / 2**30,
+                model.head_dim, element, pool.num_blocks, pool.block_size, pool.tokens, pool.bytes / 2**30,
                 pool.reason)
 
 

@@ -11,7 +11,9 @@ class Attention(nn.Module):
     """Holds this layer's KV cache ([num_blocks, block_size, num_kv_heads, head_dim] each) and the kernel backend.
 
     The cache is owned by the runner and bound after construction (`bind_kv_cache`); it is a plain attribute,
-    not a buffer, so it never appears in state_dict and `model.to()` leaves it where the runner put it.
+    not a buffer, so it never appears in state_dict and `model.to()` leaves it where the runner put it. An int8
+    cache comes with its K and V scales (`kv_scales`, [num_blocks, block_size, num_kv_heads] each), which every
+    store and attention call hands to the backend.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -24,9 +26,12 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_kwargs: dict = {}
         self.backend = None
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "auto") -> None:
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, backend: str = "auto",
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         expected = (self.num_kv_heads, self.head_dim)
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if cache.dim() != 4 or tuple(cache.shape[2:]) != expected:
@@ -34,17 +39,21 @@ class Attention(nn.Module):
                                  f"got {list(cache.shape)}")
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ in shape")
-        self.k_cache, self.v_cache = k_cache, v_cache
+        if (kv_scales is None) != (k_cache.dtype != torch.int8):
+            raise ValueError("an int8 KV cache needs its scales (kv_scales), and only an int8 one takes them")
+        self.k_cache, self.v_cache, self.kv_scales = k_cache, v_cache, kv_scales
         self.backend = get_backend(k_cache.device, backend)
+        self.kv_kwargs = {} if kv_scales is None else {"kv_scales": kv_scales}  # backends without int8 never see it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] → [T, num_heads, head_dim]."""
         if self.k_cache is None:
             raise RuntimeError("no KV cache bound: call model.bind_kv_cache(k_caches, v_caches) before forward")
         if self.sliding_window is None:
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-            return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping, **self.kv_kwargs)
+            return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, **self.kv_kwargs)
         if md.local is not None:  # this layer's KV lives in the engine's local group, through its own block tables
             md = md.local
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, md.slot_mapping, **self.kv_kwargs)
+        return self.backend.paged_attention(q, self.k_cache, self.v_cache, md, self.scale, self.sliding_window,
+                                            **self.kv_kwargs)

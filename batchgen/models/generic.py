@@ -114,11 +114,12 @@ class TransformersCausalLM(nn.Module):
         return self.hf.get_input_embeddings().weight.device
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                      attention_backend: str = "auto") -> None:
+                      attention_backend: str = "auto", kv_scales: list | None = None) -> None:
         if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
             raise ValueError(f"need {self.num_layers} k and v caches, got {len(k_caches)} and {len(v_caches)}")
-        for attention, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            attention.bind_kv_cache(k_cache, v_cache, attention_backend)
+        scales = kv_scales or [None] * self.num_layers
+        for attention, k_cache, v_cache, kv_scale in zip(self.layers, k_caches, v_caches, scales):
+            attention.bind_kv_cache(k_cache, v_cache, attention_backend, kv_scale)
 
     def sliding_windows(self) -> list[int | None]:
         return list(self.shape.layer_windows)

@@ -103,14 +103,16 @@ def _torch_attention(attention: Attention, q, k, v, md: AttentionMetadata, softc
     window = attention.sliding_window
     if window is not None and md.local is not None:
         md = md.local
-    attention.backend.store_kv(k, v, attention.k_cache, attention.v_cache, md.slot_mapping)
+    attention.backend.store_kv(k, v, attention.k_cache, attention.v_cache, md.slot_mapping, **attention.kv_kwargs)
+    k_scale, v_scale = attention.kv_scales or (None, None)
     out = torch.empty(q.shape[0], q.shape[1], attention.head_dim, dtype=q.dtype, device=q.device)
     group = attention.num_heads // attention.num_kv_heads
     starts = md.query_start_loc.tolist()
     for i, (query_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
         rows = slice(starts[i], starts[i] + query_len)
-        keys = _gather(attention.k_cache, md.block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
-        values = _gather(attention.v_cache, md.block_tables[i], seq_len).float().repeat_interleave(group, dim=1)
+        keys = _gather(attention.k_cache, md.block_tables[i], seq_len, scale=k_scale).float()
+        values = _gather(attention.v_cache, md.block_tables[i], seq_len, scale=v_scale).float()
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * attention.scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap

@@ -249,13 +249,14 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                      attention_backend: str = "auto") -> None:
+                      attention_backend: str = "auto", kv_scales: list | None = None) -> None:
         """Give each layer its slice of the paged KV cache (one [num_blocks, block_size, Hkv, D] tensor each) and
         the attention backend (batchgen_kernels.get_backend's names) that reads it."""
         if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
             raise ValueError(f"need {self.num_layers} k and v caches, got {len(k_caches)} and {len(v_caches)}")
-        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
-            layer.self_attn.attn.bind_kv_cache(k_cache, v_cache, attention_backend)
+        scales = kv_scales or [None] * self.num_layers
+        for layer, k_cache, v_cache, kv_scale in zip(self.model.layers, k_caches, v_caches, scales):
+            layer.self_attn.attn.bind_kv_cache(k_cache, v_cache, attention_backend, kv_scale)
 
     def sliding_windows(self) -> list[int | None]:
         """Each layer's sliding window (None: the whole context), which decides the engine's KV groups."""

@@ -240,3 +240,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("batchgen::paged_prefill_")
     def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, window, out):
         return None
+
+    @torch.library.register_fake("batchgen::paged_decode_int8")
+    def _(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, window):
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)

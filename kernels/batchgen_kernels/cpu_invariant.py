@@ -10,15 +10,17 @@ rows of a 1,024-token prompt: at once, in two chunks at 16/100/517/1,000, each r
 decode kernel (csrc/paged_decode_cpu.cpp) sums its dot products in another order (a transposing tree), so a token
 decoded and the same token recomputed as a prefill after a preemption would differ; the torch reference differs
 with the batch's padding and the flash kernel's split sizes. The AMX prefill kernel is not used: its tiles were not
-measured for this. Stores are the reference's.
+measured for this. Stores are the reference's (an int8 cache's: the C++ quantizing store, and its prefill kernel's
+int8 entry, the same tiles over rows dequantized as they are packed).
 """
 from __future__ import annotations
 
 import torch
 
 from . import cpu_backend
+from .cpu_backend import store_kv
 from .metadata import AttentionMetadata, kernel_window
-from .reference import store_kv
+from .reference import KVScales
 
 __all__ = ["available", "paged_attention", "store_kv"]
 
@@ -28,9 +30,13 @@ def available() -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                    scale: float, window: int | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
     """Attention for a whole varlen step ([T, Hq, D]), every sequence as a prefill of its query rows."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q is in the cache's dtype: the model's
+    if kv_scales is not None:
+        torch.ops.batchgen.paged_prefill_int8_(q, k_cache, v_cache, *kv_scales, md.block_tables, md.seq_lens,
+                                               md.query_start_loc, 0, scale, kernel_window(window), out)
+        return out
     torch.ops.batchgen.paged_prefill_(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0,
                                       scale, kernel_window(window), out)
     return out

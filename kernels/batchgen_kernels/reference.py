@@ -1,6 +1,8 @@
 """Paged attention in plain torch ops: the CPU path and the oracle every other kernel is tested against.
 
-Cache layout (per layer): k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout (per layer): k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim]. An int8 cache
+(engine.kv_cache_dtype: int8) comes with `kv_scales`, its K and V scales [num_blocks, block_size, num_kv_heads] (fp32,
+one per token and kv head: x ~= int8 x scale); the functions here dequantize only the blocks they gather.
 `window` (a sliding-window layer, e.g. Gemma 3's local layers): the query at position p sees only the keys at
 positions p - window + 1 .. p; None sees the whole causal context.
 """
@@ -12,24 +14,50 @@ import torch.nn.functional as F
 from .metadata import AttentionMetadata
 
 
+KVScales = tuple[torch.Tensor, torch.Tensor]  # an int8 cache's K and V scales, [num_blocks, block_size, Hkv] each
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H, D] → int8 [T, H, D] and fp32 scales [T, H]: symmetric per row, scale = absmax / 127, the value
+    round(x x 127 / absmax) (the C++ store's own fp32 arithmetic, so both store the same bits)."""
+    x = x.float()
+    absmax = x.abs().amax(dim=-1)
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)  # a true division (127.0 / t is not)
+    return torch.round(x * inv[..., None]).to(torch.int8), absmax / 127.0
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write the new tokens' K/V ([T, Hkv, D]) into their cache slots."""
+             slot_mapping: torch.Tensor, kv_scales: KVScales | None = None) -> None:
+    """Write the new tokens' K/V ([T, Hkv, D]) into their cache slots (quantized, with kv_scales: an int8 cache)."""
     num_blocks, block_size, heads, dim = k_cache.shape
+    if kv_scales is not None:
+        for x, cache, scales in ((key, k_cache, kv_scales[0]), (value, v_cache, kv_scales[1])):
+            q, scale = quantize_kv(x)
+            cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, q)
+            scales.view(num_blocks * block_size, heads).index_copy_(0, slot_mapping, scale)
+        return
     k_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(num_blocks * block_size, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = 0) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = 0,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's cached tokens from block `first_block` up to token `length`: [length - first_block x
-    block_size, Hkv, D]. Table entries before first_block are not read."""
+    block_size, Hkv, D] (fp32, dequantized by `scale`: an int8 cache). Table entries before first_block are not
+    read."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[first_block:num_blocks]].flatten(0, 1)[:length - first_block * block_size]
+    return _blocks(cache, block_table[first_block:num_blocks], scale).flatten(0, 1)[:length - first_block * block_size]
+
+
+def _blocks(cache: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """cache[table], dequantized to fp32 where `scale` is an int8 cache's."""
+    return cache[table] if scale is None else cache[table].float() * scale[table][..., None]
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, max_seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
+                 seq_lens: torch.Tensor, max_seq_len: int, scale: float, window: int | None = None,
+                 kv_scales: KVScales | None = None) -> torch.Tensor:
     """One query token per sequence ([B, Hq, D]) against its whole paged context, all sequences at once: gather the
     batch's blocks (up to the longest context) and mask each sequence's tail."""
     batch, q_heads, dim = q.shape
@@ -41,8 +69,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         table = block_tables[:, :num_blocks]
         keys = torch.arange(num_blocks * block_size, device=q.device)[None, :]
-    k = k_cache[table].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache[table].flatten(1, 2).transpose(1, 2)
+    k_scale, v_scale = kv_scales or (None, None)
+    k = _blocks(k_cache, table, k_scale).flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _blocks(v_cache, table, v_scale).flatten(1, 2).transpose(1, 2)
     qg = q.view(batch, kv_heads, q_heads // kv_heads, dim)  # the query heads that share each KV head
     visible = keys < seq_lens[:, None]
     if window is not None:
@@ -67,13 +96,15 @@ def _window_blocks(block_tables: torch.Tensor, seq_lens: torch.Tensor, window: i
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_len: int, scale: float, window: int | None = None) -> torch.Tensor:
+                  seq_len: int, scale: float, window: int | None = None,
+                  kv_scales: KVScales | None = None) -> torch.Tensor:
     """The last q.shape[0] tokens of one sequence ([Tq, Hq, D]) attend causally to its seq_len cached tokens."""
     q_len, q_heads, dim = q.shape
     if window is not None and seq_len > window:
-        return _windowed_prefill(q, k_cache, v_cache, block_table, seq_len, scale, window)
-    k = _gather(k_cache, block_table, seq_len).to(q.dtype)
-    v = _gather(v_cache, block_table, seq_len).to(q.dtype)
+        return _windowed_prefill(q, k_cache, v_cache, block_table, seq_len, scale, window, kv_scales)
+    k_scale, v_scale = kv_scales or (None, None)
+    k = _gather(k_cache, block_table, seq_len, scale=k_scale).to(q.dtype)
+    v = _gather(v_cache, block_table, seq_len, scale=v_scale).to(q.dtype)
     kv_heads = k.shape[1]
     group = q_heads // kv_heads
     if q_len == seq_len or q.dtype == torch.float32:
@@ -100,15 +131,16 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _windowed_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      seq_len: int, scale: float, window: int) -> torch.Tensor:
+                      seq_len: int, scale: float, window: int, kv_scales: KVScales | None = None) -> torch.Tensor:
     """paged_prefill under a sliding window: only the keys some query can see are gathered (from the first
     query's window start), and each query row is masked to its own window."""
     q_len, q_heads, dim = q.shape
     first = max(seq_len - q_len - window + 1, 0)  # the oldest key the first query sees
     skip = first // k_cache.shape[1]  # the blocks wholly before it are not read (an engine may have freed them)
     offset = first - skip * k_cache.shape[1]
-    k = _gather(k_cache, block_table, seq_len, skip)[offset:].to(q.dtype)
-    v = _gather(v_cache, block_table, seq_len, skip)[offset:].to(q.dtype)
+    k_scale, v_scale = kv_scales or (None, None)
+    k = _gather(k_cache, block_table, seq_len, skip, k_scale)[offset:].to(q.dtype)
+    v = _gather(v_cache, block_table, seq_len, skip, v_scale)[offset:].to(q.dtype)
     group = q_heads // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -121,23 +153,24 @@ def _windowed_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                    scale: float, window: int | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, kv_scales: KVScales | None = None) -> torch.Tensor:
     """Attention for a whole varlen step ([T, Hq, D]): the decodes batched together, prefills one by one."""
     out = torch.empty_like(q)
     for group in md.decode_groups:
         rows = torch.tensor(group, device=q.device)
         out[rows] = paged_decode(q[rows], k_cache, v_cache, md.block_tables[rows], md.seq_lens[rows],
-                                 md.seq_lens_cpu[group[-1]], scale, window)
-    paged_prefills(q, k_cache, v_cache, md, scale, out, window)
+                                 md.seq_lens_cpu[group[-1]], scale, window, kv_scales)
+    paged_prefills(q, k_cache, v_cache, md, scale, out, window, kv_scales)
     return out
 
 
 def paged_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
-                   scale: float, out: torch.Tensor, window: int | None = None) -> None:
+                   scale: float, out: torch.Tensor, window: int | None = None,
+                   kv_scales: KVScales | None = None) -> None:
     """The prefill rows of a step (those after its md.num_decodes decodes) into `out`, one sequence at a time."""
     start = md.num_decodes
     for i in range(md.num_decodes, md.num_seqs):
         end = start + md.query_lens_cpu[i]
         out[start:end] = paged_prefill(q[start:end], k_cache, v_cache, md.block_tables[i], md.seq_lens_cpu[i], scale,
-                                       window)
+                                       window, kv_scales)
         start = end

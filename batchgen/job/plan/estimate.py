@@ -25,6 +25,7 @@ from ..input.source import SourceRow, read_source
 from .common import (MEMORY_WARN_SHARE, PLAN_NO_DOWNLOAD, load_model_files, memory_verdict,  # noqa: F401
                      output_status, percentile)
 from .encoder_plan import is_encoder, make_encoder_plan
+from .kv_advice import advise_kv_cache
 from .precision_advice import advise_precision
 from .throughput import TimeEstimate, estimate_time, machine
 
@@ -150,6 +151,9 @@ def make_plan(config: JobConfig, overwrite: bool = False, sample_rows: int = 100
     plan.precision = advise_precision(archive, machine(device), str(choice.dtype).removeprefix("torch."),
                                       config.engine.quantization, max(decode_batch, 1), computed * scale,
                                       tokens.output_bound * scale)
+    at_once, context = seqs_at_once(plan)
+    plan.precision += advise_kv_cache(archive, machine(device), config.engine.kv_cache_dtype, int(context),
+                                      at_once < min(config.engine.max_num_seqs, rows_left or inputs.total_rows))
     if probe and config.task == "generate" and time.seconds is None and not problems and rows_left and tokens.leading:  # measure it (probe.py)
         from .probe import probe_time
         plan.time = probe_time(config, str(model_dir), rows_left, tokens.leading, max(decode_batch, 1),

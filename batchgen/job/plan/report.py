@@ -163,7 +163,8 @@ def _memory(plan: Plan) -> list[str]:
         "packed": "the matmul weights packed for oneDNN, beside the plain ones while they are packed",
         "kv": f"{plan.kv_blocks:,} of {kv.num_blocks:,} blocks x {e.block_size} tokens x {kv.bytes_per_token:,} B "
               f"(2 x {len(layout.global_layers)} layers x {plan.shape.num_kv_heads} kv heads x {plan.shape.head_dim} "
-              f"x {size})" + (f" + {plan.kv_local_blocks:,} of {kv.local.num_blocks:,} local blocks x "
+              f"x {'(int8 + a 4-byte scale)' if plan.engine.kv_dtype is not None else size})"
+              + (f" + {plan.kv_local_blocks:,} of {kv.local.num_blocks:,} local blocks x "
                               f"{kv.local.bytes_per_token:,} B ({len(layout.local_layers)} sliding-window layers: "
                               f"only their window's blocks)" if kv.local else "") + f"; the pool from {kv.reason}"
               + ("; resident: the rows' blocks (prompt + max_tokens, less prefix hits"

@@ -17,10 +17,10 @@
 // Registered as torch.ops.batchgen.paged_prefill_ (writes into `out`; its fake implementation is in Python).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "as_float.h"
 #include "prefill_common.h"
 #include "vec16.h"
 
@@ -50,19 +50,6 @@ constexpr int kScoreRows = 6, kValueRows = 4;  // 24 score and 16 value accumula
 #else
 constexpr int kScoreRows = 1, kValueRows = 2;
 #endif
-
-template <typename T>
-inline float as_float(T x) {
-  return static_cast<float>(x);
-}
-
-template <>
-inline float as_float<c10::BFloat16>(c10::BFloat16 x) {  // the top half of an fp32: a shift
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 struct Scratch {  // one per thread; the packed K/V grow to the longest key range an item of the thread needs
   std::vector<float> q, kt, v, s, acc;
@@ -183,6 +170,7 @@ struct Prefill {
   const QT* q;
   int64_t q_stride0, q_stride1;
   const KV *k_base, *v_base;
+  const float *k_scales, *v_scales;  // an int8 cache's, one per (slot, kv head); null otherwise
   int64_t block_size, kv_heads, dim, padded_dim, group;
   const int32_t *tables, *lens, *starts;
   int64_t table_stride;
@@ -231,8 +219,10 @@ struct Prefill {
       if (first <= pos && pos < key_end) {
         const KV* k_row = cache_row(k_base, seq, head, pos);
         const KV* v_row = cache_row(v_base, seq, head, pos);
-        for (int64_t d = 0; d < dim; ++d) kt[d * kKeys] = as_float(k_row[d]);
-        for (int64_t d = 0; d < dim; ++d) v_dst[d] = as_float(v_row[d]);
+        const int64_t slot = (k_row - k_base) / dim;  // an int8 row is dequantized here, in the item's packed copy
+        const float ks = k_scales ? k_scales[slot] : 1.0f, vs = v_scales ? v_scales[slot] : 1.0f;
+        for (int64_t d = 0; d < dim; ++d) kt[d * kKeys] = as_float(k_row[d]) * ks;
+        for (int64_t d = 0; d < dim; ++d) v_dst[d] = as_float(v_row[d]) * vs;
         for (int64_t d = dim; d < padded_dim; ++d) v_dst[d] = 0.0f;
       } else {
         for (int64_t d = 0; d < dim; ++d) kt[d * kKeys] = 0.0f;
@@ -349,12 +339,12 @@ struct Prefill {
 template <typename QT, typename KV>
 void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
              const at::Tensor& lens, const at::Tensor& starts, int64_t first_seq, double scale, int64_t window,
-             at::Tensor& out) {
+             at::Tensor& out, const float* k_scales = nullptr, const float* v_scales = nullptr) {
   const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), group = q.size(1) / kv_heads;
   const int64_t padded_dim = (dim + 15) / 16 * 16;
   const Prefill<QT, KV> p{q.data_ptr<QT>(), q.stride(0), q.stride(1),
                           static_cast<const KV*>(k_cache.data_ptr()), static_cast<const KV*>(v_cache.data_ptr()),
-                          k_cache.size(1), kv_heads, dim, padded_dim, group,
+                          k_scales, v_scales, k_cache.size(1), kv_heads, dim, padded_dim, group,
                           tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), starts.data_ptr<int32_t>(),
                           tables.stride(0), static_cast<float>(scale), window, out.data_ptr<QT>()};
   const std::vector<Item> items =
@@ -388,6 +378,19 @@ void paged_prefill_(const at::Tensor& q, const at::Tensor& k_cache, const at::Te
 }
 
 }  // namespace
+
+// An int8 cache (paged_int8_cpu.cpp's layout and checks): its rows are dequantized as an item packs them, into fp32.
+void paged_prefill_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const float* ks,
+                        const float* vs, const at::Tensor& tables, const at::Tensor& lens, const at::Tensor& starts,
+                        int64_t first_seq, double scale, int64_t window, at::Tensor& out) {
+  batchgen_prefill::check_prefill_inputs(q, k_cache, v_cache, tables, lens, starts, first_seq, window, out);
+  if (q.scalar_type() == at::kFloat)
+    prefill<float, int8_t>(q, k_cache, v_cache, tables, lens, starts, first_seq, scale, window, out, ks, vs);
+  else if (q.scalar_type() == at::kBFloat16)
+    prefill<c10::BFloat16, int8_t>(q, k_cache, v_cache, tables, lens, starts, first_seq, scale, window, out, ks, vs);
+  else
+    prefill<c10::Half, int8_t>(q, k_cache, v_cache, tables, lens, starts, first_seq, scale, window, out, ks, vs);
+}
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
   m.def("paged_prefill_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "

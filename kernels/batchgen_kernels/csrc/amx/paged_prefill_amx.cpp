@@ -12,7 +12,8 @@
 //
 // Built into a library of its own with AMX and AVX-512 flags (kernels/batchgen_kernels/amx.py), and loaded only on a
 // CPU with AMX after the kernel has granted the process the tile state. Registered as
-// torch.ops.batchgen.paged_prefill_amx_, with paged_prefill_'s arguments.
+// torch.ops.batchgen.paged_prefill_amx_, with paged_prefill_'s arguments. An int8 cache (paged_int8_cpu.cpp's layout,
+// torch.ops.batchgen.paged_prefill_amx_int8_) is read the same way, each row dequantized to bf16 as it is packed.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -64,6 +65,8 @@ struct PrefillAmx {
   const c10::BFloat16* q;
   int64_t q_stride0, q_stride1;
   const uint16_t *k_base, *v_base;  // bf16 bits
+  const int8_t *k8, *v8;  // an int8 cache instead (k_base, v_base null), with a scale per (slot, kv head)
+  const float *k_scale, *v_scale;
   int64_t block_size, kv_heads, dim, padded_dim, group;
   const int32_t *tables, *lens, *starts;
   int64_t table_stride;
@@ -74,6 +77,10 @@ struct PrefillAmx {
   const uint16_t* cache_row(const uint16_t* base, int64_t seq, int64_t head, int64_t pos) const {
     const int64_t block = tables[seq * table_stride + pos / block_size];
     return base + ((block * block_size + pos % block_size) * kv_heads + head) * dim;
+  }
+
+  int64_t slot(int64_t seq, int64_t head, int64_t pos) const {  // an int8 cache's (slot, kv head) index
+    return (tables[seq * table_stride + pos / block_size] * block_size + pos % block_size) * kv_heads + head;
   }
 
   void prefetch(const uint16_t* row) const {
@@ -96,10 +103,25 @@ struct PrefillAmx {
       uint16_t* v_dst = v_halves + 2 * (key / 2) * padded_dim + key % 2;
       const int64_t pos = base + key;
       if (first <= pos + kPrefetch && pos + kPrefetch < key_end) {  // blocks lie anywhere: the hardware prefetchers cannot guess the next one
-        prefetch(cache_row(k_base, seq, head, pos + kPrefetch));
-        prefetch(cache_row(v_base, seq, head, pos + kPrefetch));
+        if (k8 != nullptr) {
+          __builtin_prefetch(k8 + slot(seq, head, pos + kPrefetch) * dim, 0, 3);
+          __builtin_prefetch(v8 + slot(seq, head, pos + kPrefetch) * dim, 0, 3);
+        } else {
+          prefetch(cache_row(k_base, seq, head, pos + kPrefetch));
+          prefetch(cache_row(v_base, seq, head, pos + kPrefetch));
+        }
       }
       const bool read = first <= pos && pos < key_end;
+      if (k8 != nullptr) {
+        const int64_t row = read ? slot(seq, head, pos) : 0;
+        const float ks = read ? k_scale[row] : 0.0f, vs = read ? v_scale[row] : 0.0f;
+        for (int64_t d = 0; d < padded_dim; ++d) {
+          const bool real = read && d < dim;
+          k_dst[2 * kTileKeys * (d / 2) + d % 2] = real ? c10::BFloat16(k8[row * dim + d] * ks).x : 0;
+          v_dst[2 * d] = real ? c10::BFloat16(v8[row * dim + d] * vs).x : 0;
+        }
+        continue;
+      }
       const uint16_t* k_row = read ? cache_row(k_base, seq, head, pos) : nullptr;
       const uint16_t* v_row = read ? cache_row(v_base, seq, head, pos) : nullptr;
       for (int64_t d = 0; d < padded_dim; ++d) {
@@ -194,19 +216,20 @@ bool tiles_granted() {
   return amx::kEmulated || granted;
 }
 
-void paged_prefill_amx_(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                        int64_t first_seq, double scale, int64_t window, at::Tensor out) {
+void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq, double scale,
+             int64_t window, at::Tensor& out, const float* k_scale, const float* v_scale) {
   batchgen_prefill::check_prefill_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq,
                                          window, out);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
-              "paged_prefill_amx_: q and the caches must be bfloat16");
   TORCH_CHECK(tiles_granted(), "paged_prefill_amx_: this process has no AMX tile state (arch_prctl)");
   const int64_t kv_heads = k_cache.size(2), dim = k_cache.size(3), group = q.size(1) / kv_heads;
   const int64_t padded_dim = (dim + kChunk - 1) / kChunk * kChunk;
+  const bool int8 = k_scale != nullptr;
   const PrefillAmx p{q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1),
-                     static_cast<const uint16_t*>(k_cache.data_ptr()), static_cast<const uint16_t*>(v_cache.data_ptr()),
-                     k_cache.size(1), kv_heads, dim, padded_dim, group,
+                     int8 ? nullptr : static_cast<const uint16_t*>(k_cache.data_ptr()),
+                     int8 ? nullptr : static_cast<const uint16_t*>(v_cache.data_ptr()),
+                     int8 ? k_cache.const_data_ptr<int8_t>() : nullptr, int8 ? v_cache.const_data_ptr<int8_t>() : nullptr,
+                     k_scale, v_scale, k_cache.size(1), kv_heads, dim, padded_dim, group,
                      block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                      query_start_loc.data_ptr<int32_t>(), block_tables.stride(0), static_cast<float>(scale), window,
                      out.data_ptr<c10::BFloat16>()};
@@ -225,12 +248,40 @@ void paged_prefill_amx_(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
 }
 
+void paged_prefill_amx_(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                        int64_t first_seq, double scale, int64_t window, at::Tensor out) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
+              "paged_prefill_amx_: q and the caches must be bfloat16");
+  prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, window, out, nullptr,
+          nullptr);
+}
+
+void paged_prefill_amx_int8_(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t first_seq,
+                             double scale, int64_t window, at::Tensor out) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kChar &&
+                  k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
+                  k_scale.is_contiguous() && v_scale.is_contiguous() &&
+                  k_scale.numel() * k_cache.size(3) == k_cache.numel() && v_scale.numel() == k_scale.numel(),
+              "paged_prefill_amx_int8_: a bfloat16 q, int8 caches and contiguous float32 scales [N, bs, Hkv]");
+  prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, window, out,
+          k_scale.const_data_ptr<float>(), v_scale.const_data_ptr<float>());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(batchgen, m) {
   m.def("paged_prefill_amx_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int first_seq, float scale, int window, Tensor(a!) out) -> ()");
+  m.def("paged_prefill_amx_int8_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int first_seq, float scale, int window, "
+        "Tensor(a!) out) -> ()");
   m.def("amx_tiles_emulated() -> bool", [] { return amx::kEmulated; });  // which build this is (the tests ask)
 }
 
-TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("paged_prefill_amx_", &paged_prefill_amx_); }
+TORCH_LIBRARY_IMPL(batchgen, CPU, m) {
+  m.impl("paged_prefill_amx_", &paged_prefill_amx_);
+  m.impl("paged_prefill_amx_int8_", &paged_prefill_amx_int8_);
+}
