@@ -103,7 +103,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
             heap.hand_over()
         elif device.type == "cpu":  # each layer's plain copy back to the system as soon as it is freed
             return_freed_memory_at_once()
-        model = load_model(model_dir, dtype.dtype, device, args.quantization, pack, args.model_impl)
+        model = load_model(model_dir, dtype.dtype, device, args.quantization, pack, args.model_impl,
+                           args.quantization_keep)
     finally:
         if heap is not None:
             heap.close()
@@ -113,6 +114,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
                 module.stack_experts()
     if args.quantization:  # said at every run, not only in the README: outputs change
         logger.warning(QUANTIZATION_WARNINGS[args.quantization])
+        if args.quantization_keep:
+            logger.info("quantization int8: kept in %s: %s", dtype.name, ", ".join(args.quantization_keep))
     else:
         stored = next((module for module in model.modules() if isinstance(module, Int8Linear)), None)
         if stored is not None:  # a converted GGUF: int8 as stored, whatever the job's quantization (gguf_int8.py)
