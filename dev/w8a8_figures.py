@@ -77,16 +77,34 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="calibration rows")
     parser.add_argument("--gate-rows", type=int, default=40)
     parser.add_argument("--archive", default="docs/performance-archive.jsonl")
+    parser.add_argument("--quality-json", type=Path, help="the gates' figures: read from here when it exists (only "
+                        "the runs are timed then), else written here and the runs skipped (the gates need no "
+                        "exclusive CPU: run them under a shared lock, the timing under an exclusive one)")
+    parser.add_argument("--keep", help="comma-separated quantization_keep for the calibrated runs and the choice "
+                        "gate, instead of the calibration's choice")
     args = parser.parse_args()
     model = str(reference_model_dir(args.model)) if args.model == "default" else str(Path(args.model).expanduser())
     root = Path(tempfile.mkdtemp(prefix="w8a8-"))
     int8 = {"quantization": "int8"}
     calibrated = {**int8, "quantization_calibration": {"rows": args.rows}}
-    quality = {"int8": gate(job_file(root, "g-int8", model, int8, False), args.gate_rows),
-               "int8-calibrated": gate(job_file(root, "g-cal", model, calibrated, False), args.gate_rows)}
+    if args.quality_json and args.quality_json.exists():
+        quality = json.loads(args.quality_json.read_text())
+    else:
+        quality = {"int8": gate(job_file(root, "g-int8", model, int8, False), args.gate_rows)}
+        if args.keep:
+            keep = {**int8, "quantization_keep": args.keep.split(",")}
+            quality["int8-calibrated"] = gate(job_file(root, "g-cal", model, keep, False), args.gate_rows)
+            quality["int8-calibrated"]["keep"] = args.keep.split(",")
+        else:
+            quality["int8-calibrated"] = gate(job_file(root, "g-cal", model, calibrated, False), args.gate_rows)
+        keep = {**int8, "quantization_keep": quality["int8-calibrated"]["keep"]}
+        quality["int8"]["choice"] = gate(job_file(root, "c-int8", model, int8, True), args.gate_rows)
+        quality["int8-calibrated"]["choice"] = gate(job_file(root, "c-cal", model, keep, True), args.gate_rows)
+        if args.quality_json:
+            args.quality_json.write_text(json.dumps(quality))
+            print(json.dumps(quality))
+            return
     keep = {**int8, "quantization_keep": quality["int8-calibrated"]["keep"]}
-    quality["int8"]["choice"] = gate(job_file(root, "c-int8", model, int8, True), args.gate_rows)
-    quality["int8-calibrated"]["choice"] = gate(job_file(root, "c-cal", model, keep, True), args.gate_rows)
     systems = {"bf16": run(job_file(root, "r-bf16", model, {}, False)),
                "int8": run(job_file(root, "r-int8", model, int8, False)),
                "int8-calibrated": run(job_file(root, "r-cal", model, keep, False))}
