@@ -106,3 +106,19 @@ def test_the_quality_gate_prints_text_agreement_choice_agreement_and_the_log_lik
         assert any("greedy text agrees on" in line and "/3 rows" in line for line in lines), lines
         assert any("log-likelihood difference" in line for line in lines), lines
         assert any("choice labels agree on" in line for line in lines) == choice, lines
+
+
+def test_the_plan_says_whether_calibrated_w8a8_pays_on_this_cpu_kind(tmp_path):
+    from batchgen.job.plan.w8a8_advice import calibrated_w8a8_advice
+
+    device = {"type": "cpu", "cpu": "Xeon", "cores": 2, "cpu_flags": {"amx_int8": True}}
+    record = {"kind": "w8a8-calibrated", "date": "2026-12-05T18:00", "workload": {"model": "default"},
+              "machine": {"cpu": "Xeon", "cores": 2, "cpu_flags": {"amx_int8": True}},
+              "comparisons": {"int8": {"speedup": 0.61, "identical_share": 0.65},
+                              "int8-calibrated": {"speedup": 0.56, "identical_share": 0.85}}}
+    archive = tmp_path / "archive.jsonl"
+    archive.write_text(json.dumps(record) + "\n")
+    lines = calibrated_w8a8_advice(archive, device, "int8")
+    assert "0.56x bf16's speed, 85% of greedy labels" in lines[1] and "does not pay" in lines[1]
+    assert calibrated_w8a8_advice(archive, device, None) == []
+    assert "no calibrated W8A8 record" in calibrated_w8a8_advice(archive, {**device, "cores": 8}, "int8")[0]
