@@ -227,6 +227,15 @@ def configure_logging(quiet: bool, as_json: bool = False) -> None:
         logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.INFO)
 
 
+def quality_lines(config, rows: int) -> list[str]:
+    """`plan --quality N`'s lines (job/plan/quality.py)."""
+    from batchgen.job.plan.quality import quality_gate
+    from batchgen.job.plan.estimate import PLAN_NO_DOWNLOAD
+    from batchgen.job.prepare import inspect_job
+
+    return quality_gate(inspect_job(config, PLAN_NO_DOWNLOAD), rows)
+
+
 @main.command()
 @click.argument("job", metavar="JOB.yaml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
@@ -242,10 +251,14 @@ def configure_logging(quiet: bool, as_json: bool = False) -> None:
 @click.option("--no-probe", is_flag=True,
               help="Without a bench record for this machine, give no time estimate instead of timing a few engine "
                    "steps on the job's model and rows (a probe of a few seconds, which loads the weights).")
+@click.option("--quality", type=click.IntRange(min=1), default=None, metavar="N",
+              help="The quality gate: run N of the job's rows greedily with its settings and with its quality levers "
+                   "(quantization, ...) off, and print how often texts and choice labels agree and the "
+                   "log-likelihood difference (loads the model twice).")
 @click.option("--debug", is_flag=True, envvar="BATCHGEN_DEBUG",
               help="Print the traceback of a failure (also with BATCHGEN_DEBUG=1).")
 def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int, cost_per_hour: float | None,
-         archive: str, no_probe: bool, debug: bool) -> None:
+         archive: str, no_probe: bool, quality: int | None, debug: bool) -> None:
     """Check JOB.yaml as run would and print the plan (prompts, tokens, memory, time, resume state) without
     writing anything. The weights load only for the time probe, where no bench record serves (--no-probe: never).
     Exit 2 for a problem run would refuse, or a memory estimate above the memory available."""
@@ -263,9 +276,10 @@ def plan(job: str, overrides: tuple[str, ...], overwrite: bool, sample_rows: int
         with reported_failures(debug, resumable=False):
             made = make_plan(load_job(job, overrides), overwrite, sample_rows, cost_per_hour, Path(archive),
                              probe=not no_probe, process_started=psutil.Process().create_time())
+            gate = quality_lines(load_job(job, overrides), quality) if quality and not made.problems else []
     finally:
         signal.signal(signal.SIGTERM, previous)
-    click.echo(redact(format_plan(made, job)))
+    click.echo(redact("\n".join([format_plan(made, job), *gate])))
     for warning in made.warnings:
         click.echo(redact(f"batchgen: warning: {warning}"), err=True)
     for problem in made.problems:

@@ -10,6 +10,11 @@ from .speculative.config import SpeculativeConfig
 
 MODEL_IMPLS = ("auto", "native", "transformers")  # models/registry.py's model_path reads them
 QUANTIZATIONS = ("int8", "int8-weight-only")  # models/quantization.py implements them (QUANTIZED_ACTIVATIONS)
+CALIBRATION_KEYS = ("rows", "threshold")  # quantization_calibration's (job/calibration.py, engine/calibration.py)
+# The settings that trade quality for speed, each with its "off" value: `batchgen plan --quality N` compares the job's
+# settings with these off (job/plan/quality.py). Only those EngineArgs has are reset.
+QUALITY_LEVERS = {"quantization": None, "quantization_calibration": None, "quantization_keep": None,
+                  "kv_cache_dtype": "auto", "speculative": None}
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -58,6 +63,11 @@ class EngineArgs:
     seed: int = 0  # seeds the seeds drawn for requests that bring none
     quantization: str | None = None  # None | int8 | int8-weight-only: int8 weights for every decoder Linear and the
     # LM head; int8 quantizes the activations too on the CPU (W8A8), int8-weight-only keeps them (needs bf16/fp16)
+    quantization_calibration: dict[str, int | float] | None = None  # with int8: {rows: N, threshold: t}: N of the
+    # job's rows (evenly spaced) measure each layer's sensitivity, and the job keeps in the model's dtype o_proj, the
+    # LM head and every layer above t (job/calibration.py); it sets quantization_keep from the measurement
+    quantization_keep: tuple[str, ...] | None = None  # with int8: the Linears left in the model's dtype: a suffix
+    # (self_attn.o_proj: every layer's), a full name (model.layers.3.mlp.down_proj) or lm_head; None: none
     model_impl: str = "auto"  # auto (batchgen's own implementation where it has one, else transformers' modeling
     # code on this engine) | native | transformers
     batch_invariant: bool = False  # a row's logits the same whatever its batch, chunking, prefix-cache hit,
@@ -105,6 +115,7 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise SettingError("quantization", f"quantization must be null or one of {', '.join(QUANTIZATIONS)}; "
                                                f"got {self.quantization!r}")
+        self._validate_calibration()
         if not isinstance(self.max_loras, int) or isinstance(self.max_loras, bool) or self.max_loras < 1:
             raise SettingError("max_loras", f"max_loras must be a positive integer, got {self.max_loras!r}")
         if self.lora is not None:
@@ -118,3 +129,21 @@ class EngineArgs:
         for name in ("enforce_eager", "enable_prefix_caching", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def _validate_calibration(self) -> None:
+        cal, keep = self.quantization_calibration, self.quantization_keep
+        for name, value in (("quantization_calibration", cal), ("quantization_keep", keep)):
+            if value is not None and self.quantization != "int8":
+                raise SettingError(name, f"{name} applies to quantization int8, not {self.quantization!r}")
+        if cal is not None:
+            if not isinstance(cal, dict) or set(cal) - set(CALIBRATION_KEYS) or "rows" not in cal:
+                raise SettingError("quantization_calibration", f"quantization_calibration must be a mapping with rows "
+                                   f"(and optionally threshold), got {cal!r}")
+            if not isinstance(cal["rows"], int) or isinstance(cal["rows"], bool) or cal["rows"] < 1:
+                raise SettingError("quantization_calibration",
+                                   f"quantization_calibration.rows must be a positive integer, got {cal['rows']!r}")
+            if not isinstance(cal.get("threshold", 0.0), (int, float)) or cal.get("threshold", 0.0) < 0:
+                raise SettingError("quantization_calibration", f"quantization_calibration.threshold must be a "
+                                                               f"non-negative number, got {cal['threshold']!r}")
+        if keep is not None and not all(isinstance(name, str) and name for name in keep):
+            raise SettingError("quantization_keep", f"quantization_keep must be a list of layer names, got {keep!r}")

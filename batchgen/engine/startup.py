@@ -39,7 +39,8 @@ logger = logging.getLogger("batchgen")
 # Said at every start with a quantization (outputs change); the figures: docs/performance.md, "int8 weights".
 QUANTIZATION_WARNINGS = {
     "int8": "quantization int8: weights and (on the CPU) activations in int8; on the default model this raised "
-            "perplexity by ~4.5% and changed most greedy outputs (README, Performance)",
+            "perplexity by ~4.5% and changed 35% of the labeling job's greedy labels; check with `batchgen plan "
+            "--quality N` (README, Performance)",
     "int8-weight-only": "quantization int8-weight-only: weights in int8, activations in the model's dtype; on the "
                         "default model (bf16) this raised perplexity by ~0.4% and changed 60% of greedy outputs "
                         "(README, Performance)"}
@@ -106,7 +107,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
             heap.hand_over()
         elif device.type == "cpu":  # each layer's plain copy back to the system as soon as it is freed
             return_freed_memory_at_once()
-        model = load_model(model_dir, dtype.dtype, device, args.quantization, pack, args.model_impl)
+        model = load_model(model_dir, dtype.dtype, device, args.quantization, pack, args.model_impl,
+                           args.quantization_keep)
     finally:
         if heap is not None:
             heap.close()
@@ -116,6 +118,8 @@ def set_up(args: EngineArgs) -> EngineSetup:
                 module.stack_experts()
     if args.quantization:  # said at every run, not only in the README: outputs change
         logger.warning(QUANTIZATION_WARNINGS[args.quantization])
+        if args.quantization_keep:
+            logger.info("quantization int8: kept in %s: %s", dtype.name, ", ".join(args.quantization_keep))
     else:
         stored = next((module for module in model.modules() if isinstance(module, Int8Linear)), None)
         if stored is not None:  # a converted GGUF: int8 as stored, whatever the job's quantization (gguf_int8.py)

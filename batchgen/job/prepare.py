@@ -47,6 +47,7 @@ class PreparedJob:
     cost_per_hour: float | None = None  # the machine's price, for _SUCCESS's tokens_per_dollar
     target: EngineTarget | None = None  # the run's device and dtype and why, resolved once (engine_target)
     adapters: dict[str, LocatedAdapter] = dataclasses.field(default_factory=dict)  # the job's lora:, found locally
+    calibration: dict | None = None  # quantization_calibration's record, once measured or read (job/calibration.py)
 
     @property
     def model(self) -> str:
@@ -233,6 +234,9 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles, target: E
         "keep_columns": list(config.output.keep_columns),
         # int8 weights change the results; absent when off, so outputs written before the setting still resume
         **({"quantization": config.engine.quantization} if config.engine.quantization else {}),
+        # which layers a calibrated int8 keeps in the dtype; absent when unset, for the same reason
+        **({name: dataclasses.asdict(config.engine)[name] for name in ("quantization_calibration", "quantization_keep")
+            if getattr(config.engine, name, None) is not None}),
         # a shorter context cuts rows short (finish_reason length); absent when unset, for the same reason
         **({"max_model_len": config.engine.max_model_len} if config.engine.max_model_len else {}),
         # batch-invariant arithmetic gives some rows other bits than the default's; absent when off, as above

@@ -208,6 +208,8 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
     target = None if {"dtype", "dtype_reason"} <= engine_stats.keys() else job.target or engine_target(job.config)
     from batchgen.machine import machine_info
     from batchgen.versions import library_versions
+
+    from .calibration import job_calibration
     summary = {
         "rows": totals.rows,
         "output_rows": totals.output_rows,
@@ -246,6 +248,8 @@ def build_summary(job: PreparedJob, totals: RowTotals, progress: Progress, run: 
         "versions": library_versions(),
         "machine": machine_info(),
     }
+    if (calibration := job_calibration(job)) is not None:  # quantization_calibration: rows, layers kept, why
+        summary["quantization_calibration"] = calibration
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated()
     if run.replicas is not None:  # a Ray run: what each replica did (its rows, tokens, wall time and engine)

@@ -26,7 +26,8 @@ from .inspector import checkpoint_sources, checkpoint_variant
 from .llama import LlamaForCausalLM
 from .packed_linear import PackedLinear
 from .upcast_linear import UpcastLinear, upcast_supported
-from .quantization import QUANTIZED_ACTIVATIONS, Int8Linear, is_quantized, stored_int8_quantization
+from .quantization import (QUANTIZED_ACTIVATIONS, Int8Linear, is_kept, is_quantized, keep_stored_int8,
+                           stored_int8_quantization)
 from .encoder_types import is_encoder_config
 from .named import NAMED_MODELS
 from .wheel_models import WHEEL_MODELS
@@ -182,10 +183,11 @@ def check_gguf_header(path: Path) -> None:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
-               quantization: str | None = None, pack: bool = False, model_impl: str = "auto") -> LlamaForCausalLM:
+               quantization: str | None = None, pack: bool = False, model_impl: str = "auto",
+               keep: tuple[str, ...] | None = None) -> LlamaForCausalLM:
     """Our model for the HF-style `model_dir`, its weights read from its safetensors shards (weight_files), in eval
-    mode; with a quantization ("int8", "int8-weight-only"), its Linear layers int8 (models/quantization.py); with
-    `pack` (a CPU that packing_supported or upcast_supported), its other Linear layers oneDNN-packed
+    mode; with a quantization ("int8", "int8-weight-only"), its Linear layers int8 (models/quantization.py) but
+    those `keep` names (is_kept); with `pack` (a CPU that packing_supported or upcast_supported), its other Linear layers oneDNN-packed
     (models/packed_linear.py), or for bf16 without oneDNN's bf16, computed in fp32 (models/upcast_linear.py).
 
     Each Linear is built in its final form as soon as its weights are read, before the next is read: the model never
@@ -233,7 +235,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
         for param_name, names in sources.items():
             module_name, _, leaf = param_name.rpartition(".")
             if module_name != pending:
-                _finish(model, pending, quantization, pack)
+                _finish(model, pending, quantization, pack, keep)
                 pending = module_name
             if stored_int8:  # an int8 matrix becomes its Int8Linear as stored (None); the rest is read at dtype
                 tensor = load_int8_entry_parameter(model, param_name, names, shard_of, dtype,
@@ -241,11 +243,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
                 if tensor is not None:
                     _set_parameter(model, param_name, tensor.to(device))
                 continue
-            staged = plains if leaf == "weight" and _replaced(model, module_name, quantization, dtype, pack) else None
+            replaced = _replaced(model, module_name, quantization, dtype, pack, keep)
+            staged = plains if leaf == "weight" and replaced else None
             _set_parameter(model, param_name, _read(shard_of, param_name, names, model, dtype, casts, staged).to(device))
-        _finish(model, pending, quantization, pack)
+        _finish(model, pending, quantization, pack, keep)
     model.tie_weights()
-    _finish(model, "lm_head", quantization, pack)  # a tied head: its own int8 or packed copy of the embedding
+    _finish(model, "lm_head", quantization, pack, keep)  # a tied head: its own int8 or packed copy of the embedding
+    if stored_int8 and keep:
+        keep_stored_int8(model, keep, dtype)
     return model.to(device).eval()
 
 
@@ -267,7 +272,8 @@ def _read(shard_of: dict, param_name: str, names: list[str], model: nn.Module, d
     return out
 
 
-def _finish(model: nn.Module, module_name: str | None, quantization: str | None, pack: bool) -> None:
+def _finish(model: nn.Module, module_name: str | None, quantization: str | None, pack: bool,
+            keep: tuple[str, ...] | None = None) -> None:
     """Give a fully read plain Linear its final form (int8, packed, or bf16 computed in fp32)."""
     if module_name is None or module_name in _KEPT_PLAIN or type(model.get_submodule(module_name)) is not nn.Linear:
         return
@@ -276,7 +282,7 @@ def _finish(model: nn.Module, module_name: str | None, quantization: str | None,
         return
     parent_name, _, leaf = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    if _quantized(module_name, quantization):
+    if _quantized(module_name, quantization, keep):
         activations = INT8_OPTIONS["activations"] or QUANTIZED_ACTIVATIONS[quantization]
         setattr(parent, leaf, Int8Linear.from_linear(module, activations))
     elif pack and upcast_supported(module.weight.device, module.weight.dtype):
@@ -285,17 +291,18 @@ def _finish(model: nn.Module, module_name: str | None, quantization: str | None,
         setattr(parent, leaf, PackedLinear(module.weight, module.bias))
 
 
-def _quantized(module_name: str, quantization: str | None) -> bool:
+def _quantized(module_name: str, quantization: str | None, keep: tuple[str, ...] | None = None) -> bool:
     return quantization is not None and is_quantized(f"{module_name}.weight") and \
-        (module_name != "lm_head" or INT8_OPTIONS["lm_head"])
+        (module_name != "lm_head" or INT8_OPTIONS["lm_head"]) and not is_kept(module_name, keep)
 
 
-def _replaced(model: nn.Module, module_name: str, quantization: str | None, dtype: torch.dtype, pack: bool) -> bool:
+def _replaced(model: nn.Module, module_name: str, quantization: str | None, dtype: torch.dtype, pack: bool,
+              keep: tuple[str, ...] | None = None) -> bool:
     """Whether _finish makes this module's weight anew (int8 or packed), so that its plain weight is only read to
     be converted: both copy what they take, which their tests check by overwriting the plain weight afterwards."""
     if module_name in _KEPT_PLAIN or type(model.get_submodule(module_name)) is not nn.Linear:
         return False
-    return _quantized(module_name, quantization) or (pack and not upcast_supported(torch.device("cpu"), dtype))
+    return _quantized(module_name, quantization, keep) or (pack and not upcast_supported(torch.device("cpu"), dtype))
 
 
 def _build_on_meta(config, variant, model_dir: Path) -> LlamaForCausalLM:

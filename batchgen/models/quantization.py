@@ -46,6 +46,15 @@ def stored_int8_quantization(quantization: str | None, dtype: torch.dtype) -> st
 # The Linear layers quantize_model replaces: these of every decoder layer, and the LM head.
 DECODER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 SCALE_BYTES = 4  # one fp32 scale per output channel
+# What a calibrated int8 run keeps in the model's dtype whatever the measurement (engine/calibration.py): the
+# attention output projection and the LM head, the layers whose int8 inputs cost the most.
+DEFAULT_KEEP = ("self_attn.o_proj", "lm_head")
+
+
+def is_kept(module_name: str, keep: tuple[str, ...] | None) -> bool:
+    """Whether EngineArgs.quantization_keep leaves this Linear in the model's dtype: a full name, or a suffix that
+    names one Linear of every layer (self_attn.o_proj)."""
+    return bool(keep) and any(module_name == k or module_name.endswith("." + k) for k in keep)
 
 
 def is_quantized(param_name: str) -> bool:
@@ -164,6 +173,22 @@ def _dynamic_int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Te
     out = acc.float()
     del acc
     return out.mul_(x_scale).mul_(scale).to(x.dtype)
+
+
+def keep_stored_int8(model: nn.Module, keep: tuple[str, ...] | None, dtype: torch.dtype) -> None:
+    """For a model stored in int8 (a converted GGUF), the Int8Linears EngineArgs.quantization_keep names take the
+    model's dtype for their activations: weight-only with bf16/fp16, the weight dequantized to fp32 otherwise
+    (weight-only has no fast fp32 kernel). Their weights stay what the conversion stored."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Int8Linear) and is_kept(name, keep):
+            if dtype in WEIGHT_ONLY_DTYPES:
+                kept = Int8Linear(module.qweight, module.scale.to(dtype), module.bias, "weight_only")
+            else:
+                kept = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+                kept.weight = nn.Parameter(module.dequantized(dtype), requires_grad=False)
+                kept.bias = module.bias
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, leaf, kept)
 
 
 def quantize_model(model: nn.Module, lm_head: bool = True, activations: str = "dynamic_int8") -> nn.Module:

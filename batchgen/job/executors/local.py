@@ -35,9 +35,12 @@ def load_engine(job: PreparedJob):
     import batchgen.engine
     from batchgen.models import ModelError
 
+    from ..calibration import calibrated_args
+
     rows_left = job.done.count(0) if job.done is not None else job.config.engine.max_num_seqs
     try:
-        engine = batchgen.engine.open_engine(engine_args_for(job.config, rows_left, job.model, job.adapters))
+        args = calibrated_args(job, engine_args_for(job.config, rows_left, job.model, job.adapters))
+        engine = batchgen.engine.open_engine(args)
     except ModelError as exc:  # e.g. an architecture we do not support: a problem with the job, not a crash
         raise JobConfigError(f"model: {exc}") from None
     except SettingError as exc:  # a setting the engine cannot honour, e.g. a KV cache too small for the model

@@ -223,6 +223,8 @@ class RayExecutor:
             sink.add(row, ident, keep, *results, parse_json=parse_json, replica=replica)
             on_row(results)
 
-        engine_args = engine_args_for(config, job.done.count(0), job.model, job.adapters)
+        from ..calibration import calibrated_args  # measured here, once: every replica keeps the same layers
+
+        engine_args = calibrated_args(job, engine_args_for(config, job.done.count(0), job.model, job.adapters))
         replicas = run_on_ray(config, job.inputs, job.done, engine_args, write, on_stats=on_stats)
         return ExecutorRun(replicas=replicas)

@@ -34,8 +34,10 @@ FINGERPRINT_KEY = b"batchgen.fingerprint"
 SUCCESS = "_SUCCESS"
 TIMELINE = "_timeline.json"
 REPORT = "_report.html"
+CALIBRATION = "_calibration.json"  # quantization_calibration's measurement, reused on resume (job/calibration.py)
 # batchgen's own side files, each known by a mark inside it (their names alone do not make them batchgen's)
-SIDE_FILE_MARKS = {TIMELINE: "batchgen-timeline/", REPORT: '<meta name="generator" content="batchgen">'}
+SIDE_FILE_MARKS = {TIMELINE: "batchgen-timeline/", REPORT: '<meta name="generator" content="batchgen">',
+                   CALIBRATION: "batchgen-calibration/"}
 REWRITE_MANIFEST = "_PLAN.json"  # the final rewrite's manifest (final_rewrite.py); the name on disk predates `batchgen plan`
 RUN_PART_ROW_GROUP = 1024  # rows: the final rewrite reads run parts a row group at a time
 RUN_PART = re.compile(r"run-(\d+)\.parquet")  # in a local directory, where a part is renamed into place

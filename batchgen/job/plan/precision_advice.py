@@ -85,9 +85,12 @@ def w8a8_without_vnni(device: dict[str, Any], quantization: str | None) -> str |
 
 def advise_precision(archive: Path, device: dict[str, Any], dtype: str, quantization: str | None,
                      decode_batch: int, prompt_tokens: float, output_tokens: float) -> list[str]:
+    from .w8a8_advice import calibrated_w8a8_advice
+
     no_vnni = w8a8_without_vnni(device, quantization)
     return ([no_vnni] if no_vnni else []) + _measured_advice(archive, device, dtype, quantization, decode_batch,
-                                                              prompt_tokens, output_tokens)
+                                                              prompt_tokens, output_tokens) \
+        + calibrated_w8a8_advice(archive, device, quantization)
 
 
 def _measured_advice(archive: Path, device: dict[str, Any], dtype: str, quantization: str | None,

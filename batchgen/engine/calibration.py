@@ -1,0 +1,178 @@
+"""Calibrating W8A8 (`quantization: int8` with `quantization_calibration`): which Linear layers to keep in the model's
+dtype, measured on prompts the caller chooses (job/calibration.py: the job's own rows).
+
+One engine in the model's dtype (no quantization, no prefix cache: every pass computes every token) runs the prompts
+once with a hook on each Linear that records its activation range (the largest |x| it saw, and the mean of each
+token's largest |x|), and on the LM head that keeps the next-token logits of each prompt. Then, one Linear at a time,
+that layer alone is swapped for its W8A8 Int8Linear and the prompts run again: the layer's sensitivity is the mean
+KL divergence (nats) of the next-token distributions from the unquantized ones, and `flips` the share of prompts whose
+greedy next token changed. choose_keep keeps quantization.DEFAULT_KEEP and every layer above the threshold.
+
+The engine is driven through its public API (add_request, step); the hooks and the swaps are on its model."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.quantization import DEFAULT_KEEP, Int8Linear, is_kept, is_quantized
+from .engine_args import EngineArgs
+from .request import Request, SamplingParams
+
+logger = logging.getLogger("batchgen")
+
+# A layer whose int8 alone moves the next-token distributions by more than this (mean KL, nats) stays in the dtype.
+# On the default model (SmolLM2-135M, bf16) over the labeling workload's rows: docs/performance.md, "Issue 43".
+DEFAULT_THRESHOLD = 0.01
+IDENTITY_ROWS = 1024  # rows of the identity a float Linear multiplies at once to read its weight back
+
+
+@dataclass
+class Measurement:
+    sensitivity: dict[str, float] = field(default_factory=dict)  # layer -> mean KL (nats) with it alone in int8
+    flips: dict[str, float] = field(default_factory=dict)  # layer -> share of prompts whose greedy token changed
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # layer -> (max |x|, mean per-token max)
+
+
+def calibration_args(args: EngineArgs, prompts: int) -> EngineArgs:
+    """The unquantized engine the measurement runs on: the job's dtype and device, no prefix cache."""
+    return dataclasses.replace(args, quantization=None, quantization_calibration=None, quantization_keep=None,
+                               enable_prefix_caching=False, max_num_seqs=max(1, min(args.max_num_seqs, prompts)))
+
+
+def quantizable_layers(model: nn.Module) -> list[str]:
+    """The Linear layers `quantization: int8` turns into Int8Linear, in model order."""
+    return [name for name, _ in model.named_modules() if name and is_quantized(f"{name}.weight")]
+
+
+def measure(engine, prompts: list[list[int]], layers: list[str] | None = None) -> Measurement:
+    """Ranges and sensitivities of `layers` (default: every quantizable one) of `engine`'s unquantized model."""
+    model = engine.model
+    layers = quantizable_layers(model) if layers is None else layers
+    result = Measurement()
+    sums: dict[str, tuple[float, float, int]] = {}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(_range_hook(sums, name)) for name in layers]
+    try:
+        reference = _next_token_logits(engine, prompts)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    result.ranges = {name: (top, total / max(count, 1)) for name, (top, total, count) in sums.items()}
+    reference_logp = F.log_softmax(reference, dim=-1)
+    greedy = reference.argmax(dim=-1)
+    for i, name in enumerate(layers):
+        original = model.get_submodule(name)
+        _swap(model, name, _w8a8(original))
+        try:
+            logits = _next_token_logits(engine, prompts)
+        finally:
+            _swap(model, name, original)
+        logp = F.log_softmax(logits, dim=-1)
+        kl = (reference_logp.exp() * (reference_logp - logp)).sum(dim=-1)
+        result.sensitivity[name] = float(kl.mean())
+        result.flips[name] = float((logits.argmax(dim=-1) != greedy).float().mean())
+        logger.info("calibration: %d/%d %s KL %.2e", i + 1, len(layers), name, result.sensitivity[name])
+    gc.collect()
+    return result
+
+
+def choose_keep(sensitivity: dict[str, float], threshold: float) -> list[str]:
+    """DEFAULT_KEEP, and the layers (not already kept by it) whose sensitivity is above `threshold`, model order."""
+    return list(DEFAULT_KEEP) + [name for name, value in sensitivity.items()
+                                 if value > threshold and not is_kept(name, DEFAULT_KEEP)]
+
+
+def _next_token_logits(engine, prompts: list[list[int]]) -> torch.Tensor:
+    """[prompts, vocab] fp32: each prompt's next-token logits, by a hook on the LM head while the engine runs them.
+    Prompts go in groups that one step prefills whole (the step's LM head rows are then the group's, in the order
+    added); a group whose rows or greedy tokens do not match that order runs again one prompt at a time."""
+    rows: list[torch.Tensor] = []
+    hook = engine.model.lm_head.register_forward_hook(lambda module, args, out: rows.append(out.detach().float()))
+    logits: list[torch.Tensor] = []
+    try:
+        for group in _groups(prompts, engine.args.max_num_batched_tokens, engine.args.max_num_seqs):
+            rows.clear()
+            tokens = _run(engine, [prompts[i] for i in group])
+            found = torch.cat(rows) if len(rows) == 1 else None
+            if found is None or found.shape[0] != len(group) or found.argmax(dim=-1).tolist() != tokens:
+                found = []
+                for i in group:
+                    rows.clear()
+                    _run(engine, [prompts[i]])
+                    found.append(rows[-1][-1:])
+                found = torch.cat(found)
+            logits.append(found)
+    finally:
+        hook.remove()
+    return torch.cat(logits)
+
+
+def _groups(prompts: list[list[int]], budget: int, seqs: int) -> list[list[int]]:
+    groups: list[list[int]] = [[]]
+    tokens = 0
+    for i, ids in enumerate(prompts):
+        if groups[-1] and (tokens + len(ids) > budget or len(groups[-1]) >= seqs):
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += len(ids)
+    return groups
+
+
+def _run(engine, prompts: list[list[int]]) -> list[int]:
+    """Each prompt's greedy next token, the prompts run together."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(("calibration", i), list(ids), params))
+    tokens: dict = {}
+    while engine.has_unfinished():
+        for result in engine.step():
+            tokens[result.request_id] = result.token_ids[0] if result.token_ids else -1
+    return [tokens[("calibration", i)] for i in range(len(prompts))]
+
+
+def _range_hook(sums: dict, name: str):
+    """Accumulates [max |x|, sum of each token's max |x|, tokens] of the layer's input."""
+    def hook(module, args):
+        per_token = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=1).float()
+        top, total, count = sums.get(name, (0.0, 0.0, 0))
+        sums[name] = (max(top, float(per_token.max())), total + float(per_token.sum()), count + per_token.numel())
+    return hook
+
+
+def _w8a8(module: nn.Module) -> Int8Linear:
+    if isinstance(module, Int8Linear):  # stored int8 (a converted GGUF): its own weights, int8 activations too
+        return Int8Linear(module.qweight, module.scale.float(), module.bias, "dynamic_int8")
+    return Int8Linear.from_linear(_as_linear(module), "dynamic_int8")
+
+
+def _as_linear(module: nn.Module) -> nn.Linear:
+    """A plain Linear with `module`'s weight: a packed one (PackedLinear) keeps no plain weight, so it is read back
+    by multiplying the identity (exact: each output is one product)."""
+    if isinstance(module, nn.Linear):
+        return module
+    weight = getattr(module, "weight", None)
+    bias = getattr(module, "bias", None)
+    if weight is None:
+        dtype = getattr(module, "dtype", torch.float32)
+        eye = torch.eye(module.in_features, dtype=dtype)
+        zero_bias = bias.detach() if bias is not None else None
+        parts = [module(eye[start:start + IDENTITY_ROWS]) for start in range(0, module.in_features, IDENTITY_ROWS)]
+        weight = torch.cat(parts).t()
+        if zero_bias is not None:
+            weight = weight - zero_bias[:, None]
+    linear = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
