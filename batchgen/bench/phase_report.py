@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .roofline_floor import ModelCounts, counts_of_description, decode_phase_floor, prefill_phase_floor
+from .roofline_floor import ModelCounts, counts_of_description, decode_phase_floor, distinct_prefixes
+from .roofline_floor import prefill_phase_floor
 from .system_types import SystemRun
 from .table import _fmt, render_table
 from .workloads import Workload, shared_prefix_length
@@ -33,10 +34,10 @@ def ratio(measured: float | None, floor: float) -> float | None:
 def phase_record(workload: Workload, runs: dict[str, SystemRun], counts: ModelCounts, bandwidth: float,
                  flop_rate: float) -> dict[str, Any]:
     prompt_lens = {row.id: len(row.token_ids) for row in workload.rows}
-    shared = shared_prefix_length(workload.rows)
-    prefill = prefill_phase_floor(counts, list(prompt_lens.values()), shared, bandwidth, flop_rate)
+    prefill = prefill_phase_floor(counts, [row.token_ids for row in workload.rows], bandwidth, flop_rate)
     record: dict[str, Any] = {"bandwidth_bytes_per_s": bandwidth, "matmul_flops": flop_rate,
-                              "counts": counts.describe(), "shared_prefix_tokens": shared,
+                              "counts": counts.describe(), "shared_prefix_tokens": shared_prefix_length(workload.rows),
+                              "distinct_prompt_tokens": distinct_prefixes([r.token_ids for r in workload.rows])[0],
                               "prefill_floor": dataclasses.asdict(prefill), "systems": {}}
     for name, run in runs.items():
         if not run.available:
@@ -90,7 +91,7 @@ def format_phases(record: dict[str, Any]) -> list[str]:
                          f"in {steps['decode_steps']} steps ({_fmt(steps['decode_x'], '.2f', 'x')} roofline)")
     parts.append(f"  prefill = until the last row's first token; decode = the rest of the wall time. roofline = "
                  f"max(bytes / bandwidth, FLOPs / matmul rate) of each step of the unquantized model, summed: prefill "
-                 f"{floor['flops'] / 1e12:,.2f} TFLOP ({floor['bound']}-bound; the {phases['shared_prefix_tokens']}-"
-                 f"token shared prefix once), decode one step per further token, the weights read each step; "
+                 f"{floor['flops'] / 1e12:,.2f} TFLOP ({floor['bound']}-bound; {phases['distinct_prompt_tokens']:,} "
+                 f"distinct prompt tokens: each shared prefix once), decode one step per further token, the weights read each step; "
                  f"{reference} x = the system's time over {reference}'s (> 1: {reference} is faster)")
     return parts

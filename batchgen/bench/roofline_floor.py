@@ -92,7 +92,7 @@ def prefill_floor(counts: ModelCounts, num_seqs: int, seq_len: int, bandwidth: f
 
 
 # -- a whole run's phases (bench --workload ...: phase_report.py) ------------------------------------------------
-# Prefill: every prompt token that must be computed, the prefix every row shares computed once (what a prefix cache
+# Prefill: every prompt token that must be computed, each prefix that rows share computed once (what a prefix cache
 # reaches at best), then each row's first token from the LM head; one pass over the weights. Decode: one step per
 # further output token, batch = the rows still generating, each attending over its prompt and its output so far;
 # every step reads the weights again. Each step's floor is max(bytes / bandwidth, FLOPs / rate); the phase's is
@@ -109,13 +109,27 @@ def counts_of_description(model, dtype) -> ModelCounts:
                        matmul_params * dtype.itemsize, kv_bytes_per_token(model, dtype))
 
 
-def prefill_phase_floor(counts: ModelCounts, prompt_lens: list[int], shared: int, bandwidth: float,
-                        flop_rate: float) -> Floor:
-    """The prompts of `prompt_lens` tokens, the first `shared` of each the same: computed once."""
-    tokens = shared + sum(n - shared for n in prompt_lens)
-    pairs = shared * (shared + 1) / 2 + sum((n * (n + 1) - shared * (shared + 1)) / 2 for n in prompt_lens)
+def distinct_prefixes(prompts: list[list[int]]) -> tuple[int, int]:
+    """(tokens, attention pairs) of the prompts with every prefix that rows share computed once (a token trie): the
+    least prefill work, which a prefix cache reaches at token rather than block granularity."""
+    root: dict = {}
+    tokens = pairs = 0
+    for prompt in prompts:
+        node = root
+        for depth, token in enumerate(prompt, 1):
+            if token not in node:
+                node[token] = {}
+                tokens += 1
+                pairs += depth  # this token attends to itself and every one before it
+            node = node[token]
+    return tokens, pairs
+
+
+def prefill_phase_floor(counts: ModelCounts, prompts: list[list[int]], bandwidth: float, flop_rate: float) -> Floor:
+    """The prompts' distinct tokens computed once each, then each row's first token from the LM head."""
+    tokens, pairs = distinct_prefixes(prompts)
     linear = (counts.weight_bytes, 2 * (counts.matmul_params - counts.lm_head_params) * tokens
-              + 2 * counts.lm_head_params * len(prompt_lens))
+              + 2 * counts.lm_head_params * len(prompts))
     attention = (tokens * counts.kv_bytes_per_token, attention_flops(counts, pairs))
     return Floor.of(linear, attention, bandwidth, flop_rate)
 
