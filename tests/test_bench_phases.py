@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from batchgen.bench.roofline_floor import ModelCounts, decode_floor, decode_phase_floor, prefill_floor
 from batchgen.bench.roofline_floor import distinct_prefixes, prefill_phase_floor
-from batchgen.bench.workloads import shared_prefix_length, synthetic_workload
+from batchgen.bench.workload_realistic import realistic_workload
+from batchgen.bench.workloads import shared_prefix_length
 from batchgen.cli import main
 
 COUNTS = ModelCounts(num_layers=4, num_heads=8, head_dim=64, matmul_params=50_000_000, lm_head_params=5_000_000,
@@ -26,13 +27,13 @@ def tokenizer(default_model_dir):
 
 
 def test_realistic_rows_share_a_system_prompt_and_vary_their_own_text(tokenizer):
-    workload = synthetic_workload("realistic", 8, 0, tokenizer)
+    workload = realistic_workload(8, 0, tokenizer)
     shared = shared_prefix_length(workload.rows)
     assert shared >= 60  # the system prompt inside the chat template
     own = [len(row.token_ids) - shared for row in workload.rows]
     assert all(80 <= n <= 140 for n in own) and len(set(own)) > 1
     assert {row.max_tokens for row in workload.rows} == {64} and {row.kind for row in workload.rows} == {"realistic"}
-    again = synthetic_workload("realistic", 8, 0, tokenizer)
+    again = realistic_workload(8, 0, tokenizer)
     assert [row.token_ids for row in again.rows] == [row.token_ids for row in workload.rows]
     assert "support-reply" in " ".join(workload.notes)
 

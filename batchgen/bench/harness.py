@@ -14,6 +14,7 @@ from . import ceiling, report
 from .run_common import BenchResult, git_commit, resolved_dtype
 from .system_types import DTYPES, BenchOptions, SystemRun
 from .systems import SYSTEMS, TASK_SYSTEMS, run_system
+from .workload_realistic import realistic_workload
 from .workloads import Workload, fixed_max_tokens, job_workload, synthetic_workload
 
 MODEL_AND_JOB = "--model: a JOB.yaml names its own model (its `model:` key); give one or the other"
@@ -137,6 +138,9 @@ def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
     tokenizer = load_tokenizer(resolve_model(engine_args.model))
     if config.job:
         workload = job_workload(config.job, tokenizer, config.rows, config.max_tokens_scale)
+    elif config.workload == "realistic":
+        workload = realistic_workload(config.rows or 200, config.seed, tokenizer, engine_args.model,
+                                      config.max_tokens_scale)
     else:
         workload = synthetic_workload(config.workload, config.rows or 200, config.seed, tokenizer,
                                       engine_args.model, config.max_tokens_scale)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import random
 
-from .workloads import BenchRow, PromptTokenizer, common_prefix, grow_to, review_or_ticket, scaled
+from typing import Any
+
+from .workloads import BenchRow, PromptTokenizer, Workload, common_prefix, grow_to, review_or_ticket, scaled
+from .workloads import shared_prefix_length
 
 REPLY_INSTRUCTION = """You are a support assistant for a large online retailer. Draft a reply to the customer \
 message you receive. Be polite and specific: thank the customer, answer what they actually raised, say what \
@@ -16,6 +19,16 @@ not invent order numbers, prices or dates, and never ask for a password."""
 REQUESTS = ["Draft a reply to this message.", "Write our answer to the customer below.",
             "Reply to this customer.", "Answer this message on behalf of the support team."]
 OUTPUT_TOKENS = 64
+
+
+def realistic_workload(num_rows: int, seed: int, tokenizer: Any, model: str = "default",
+                       max_tokens_scale: float = 1.0) -> Workload:
+    """`num_rows` rows, deterministic from `seed`."""
+    rows = realistic_rows(num_rows, random.Random(seed), PromptTokenizer(tokenizer), max_tokens_scale)
+    return Workload("realistic", model, rows,
+                    [f"every row shares a {shared_prefix_length(rows)}-token prefix (system prompt + chat template); "
+                     f"a support-reply drafting job"]
+                    + ([f"max_tokens scaled by {max_tokens_scale}"] if max_tokens_scale != 1.0 else []))
 
 
 def realistic_rows(num_rows: int, rng: random.Random, tokenize: PromptTokenizer, scale: float) -> list[BenchRow]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("labeling", "generation", "mixed", "realistic")  # realistic: workload_realistic.py
+WORKLOADS = ("labeling", "generation", "mixed")  # and realistic: workload_realistic.py
 
 
 @dataclass
@@ -208,18 +208,11 @@ def shared_prefix_length(rows: list[BenchRow]) -> int:
 
 def synthetic_workload(name: str, num_rows: int, seed: int, tokenizer: Any, model: str = "default",
                        max_tokens_scale: float = 1.0) -> Workload:
-    """`generation`, `labeling`, `mixed` (half of each, shuffled) or `realistic`, deterministic from `seed`."""
+    """`generation`, `labeling` or `mixed` (half of each, shuffled), deterministic from `seed`."""
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {name!r}")
     rng = random.Random(seed)
     tokenize = PromptTokenizer(tokenizer)
-    if name == "realistic":
-        from .workload_realistic import realistic_rows
-
-        rows = realistic_rows(num_rows, rng, tokenize, max_tokens_scale)
-        return Workload(name, model, rows, [f"every row shares a {shared_prefix_length(rows)}-token prefix (system "
-                                            f"prompt + chat template); a support-reply drafting job"]
-                        + ([f"max_tokens scaled by {max_tokens_scale}"] if max_tokens_scale != 1.0 else []))
     num_labeling = {"labeling": num_rows, "generation": 0, "mixed": num_rows // 2}[name]
     # The head every labeling row starts with: the system prompt inside the chat template, up to the user's text.
     shared = common_prefix(tokenize("A", system=LABELING_INSTRUCTION), tokenize("B", system=LABELING_INSTRUCTION))
