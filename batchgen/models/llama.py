@@ -17,7 +17,6 @@ from batchgen_kernels import AttentionMetadata
 from batchgen_kernels.elementwise import TorchElementwise
 
 from .attention import Attention
-from .packed_linear import PackedLinear
 
 
 @dataclass(frozen=True)
@@ -151,9 +150,6 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-CPU_MLP_ROWS = 512  # issue 43: 1B bf16 prefill MLP on AMX, 3,023 rows: 238 ms a layer in one call, 213 in 512-row ones
-
-
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
@@ -164,18 +160,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=variant.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
-        if x.shape[0] <= 2 * CPU_MLP_ROWS or not (isinstance(self.gate_up_proj, PackedLinear)
-                                                   and isinstance(self.down_proj, PackedLinear)):
-            return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
-        # A long prefill through oneDNN, in slices of about CPU_MLP_ROWS rows (none under half that: no one-row
-        # call): a slice's gate/up output (rows x 2 x intermediate) stays in cache for silu_mul and down_proj.
-        # Only plain packed layers: a LoRA layer reads the step's rows whole (lora_linear.py)
-        slices = torch.arange(x.shape[0]).tensor_split(x.shape[0] // CPU_MLP_ROWS)
-        bounds = [0] + [int(rows[-1]) + 1 for rows in slices]
-        out = torch.empty(x.shape[0], self.down_proj.out_features, dtype=x.dtype)
-        for start, end in zip(bounds, bounds[1:]):
-            out[start:end] = self.down_proj(ops.silu_mul(self.gate_up_proj(x[start:end])))
-        return out
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
