@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 from .startup_probe import measure as measure_startup
+from .step_phases import StepPhases
 from .system_types import QUANTIZATION_LABELS, BenchOptions, RowOutput, SystemRun, elapsed
 
 
@@ -33,7 +34,8 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool, choice: list[st
                                                               ignore_eos=options.ignore_eos, choice=choice or []))
                 for row in ordered]
     started = time.monotonic()
-    results = list(engine.generate(requests))
+    phases = StepPhases(engine)
+    results = list(engine.generate(requests, on_step=phases))
     wall_s = elapsed(started)
     # Result times are wall-clock through the engine's own anchor: the run starts when the first request arrives.
     start_wall = min((r.arrival_time for r in results), default=0.0)
@@ -52,7 +54,8 @@ def run(rows: list, options: BenchOptions, prefix_caching: bool, choice: list[st
     details = {"engine_args": dataclasses.asdict(args), "parameters": parameters,
                "dtype": str(engine.dtype).removeprefix("torch."),
                "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
-               "quantization": QUANTIZATION_LABELS[args.quantization], "engine_stats": engine.stats()}
+               "quantization": QUANTIZATION_LABELS[args.quantization], "engine_stats": engine.stats(),
+               "step_phases": phases.figures}
     if startup is not None:
         details["startup"] = startup
     if choice:

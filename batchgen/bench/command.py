@@ -33,11 +33,12 @@ DEFAULT_BATCH_SIZES = {"embed": (16, 32, 64, 128), "classify": (16, 32, 64, 128)
 
 @click.command()
 @click.argument("job", metavar="[JOB.yaml]", required=False)
-@click.option("--workload", type=click.Choice(["labeling", "generation", "mixed", "embed", "classify", "score",
-                                              "lora"]),
+@click.option("--workload", type=click.Choice(["labeling", "generation", "mixed", "realistic", "embed", "classify",
+                                              "score", "lora"]),
               default="generation", show_default=True,
-              help="Built-in synthetic workload (ignored with a JOB.yaml). embed, classify and score: texts of "
-                   "several lengths, prefill only (embed: all-minilm-l6-v2 against sentence-transformers; "
+              help="Built-in synthetic workload (ignored with a JOB.yaml). realistic: a support-reply drafting "
+                   "job's rows (a shared system prompt, ~100-token messages, 64 output tokens). embed, classify "
+                   "and score: texts of several lengths, prefill only (embed: all-minilm-l6-v2 against sentence-transformers; "
                    "classify: --model against transformers' text-classification pipeline; score: the default "
                    "model's log-likelihoods against vLLM's prompt_logprobs and a transformers forward). lora: "
                    "generation rows over 4 LoRA adapters in one engine against the base model and against "

@@ -14,6 +14,7 @@ from . import ceiling, report
 from .run_common import BenchResult, git_commit, resolved_dtype
 from .system_types import DTYPES, BenchOptions, SystemRun
 from .systems import SYSTEMS, TASK_SYSTEMS, run_system
+from .workload_realistic import realistic_workload
 from .workloads import Workload, fixed_max_tokens, job_workload, synthetic_workload
 
 MODEL_AND_JOB = "--model: a JOB.yaml names its own model (its `model:` key); give one or the other"
@@ -35,6 +36,7 @@ class BenchConfig:
     max_tokens_scale: float = 1.0  # for quick runs (tests): every row's max_tokens times this
     hf_continuous_time_limit_s: float = 1800.0
     ceiling_n: int = 2048
+    bandwidth_bytes: int = 2**30  # the memory-bandwidth probe's buffer (ceiling.memory_bandwidth)
     dtype: str | None = None  # batchgen's and vLLM's; default float32 (with a job: the job's dtype)
     hf_dtype: str | None = None  # the transformers baselines'; default: the same as dtype
     vllm_threads_bind: str = "all"  # VLLM_CPU_OMP_THREADS_BIND: all (this process's CPUs) | default | a CPU list
@@ -84,6 +86,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchR
     hf_dtype = resolved_dtype(config.hf_dtype, engine_args.device) if config.hf_dtype else dtype
     log(f"bench: dtype {dtype} (transformers baselines: {hf_dtype}); measuring the machine's {dtype} matmul ceiling")
     machine_ceiling = ceiling.matmul_flops(config.ceiling_n, dtype=dtype)
+    bandwidth = ceiling.memory_bandwidth(config.bandwidth_bytes)
 
     options = BenchOptions(engine_args, tuple(config.hf_batch_sizes), config.vllm_python,
                            config.hf_continuous_time_limit_s, dtype, hf_dtype, config.vllm_threads_bind,
@@ -98,7 +101,7 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] = print) -> BenchR
         log(f"bench: {name}: " + (f"{started}load {run.load_s:.1f} s, generation {run.wall_s:.1f} s" if run.available
                                   else f"unavailable: {run.reason}"))
 
-    record = build_record(config, workload, engine_args, machine_ceiling, runs, started_at, commit)
+    record = build_record(config, workload, engine_args, machine_ceiling, runs, started_at, commit, bandwidth)
     stamp = started_at.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(config.out_dir)
     record_path = out_dir / f"bench-{workload.name.replace(':', '-')}-{stamp}.json"
@@ -135,6 +138,9 @@ def build_workload(config: BenchConfig) -> tuple[Workload, Any]:
     tokenizer = load_tokenizer(resolve_model(engine_args.model))
     if config.job:
         workload = job_workload(config.job, tokenizer, config.rows, config.max_tokens_scale)
+    elif config.workload == "realistic":
+        workload = realistic_workload(config.rows or 200, config.seed, tokenizer, engine_args.model,
+                                      config.max_tokens_scale)
     else:
         workload = synthetic_workload(config.workload, config.rows or 200, config.seed, tokenizer,
                                       engine_args.model, config.max_tokens_scale)
@@ -161,7 +167,8 @@ def decoder_for(engine_args: Any, runs: dict[str, SystemRun]) -> Callable[[list[
 
 
 def build_record(config: BenchConfig, workload: Workload, engine_args: Any, machine_ceiling: dict,
-                 runs: dict[str, SystemRun], started_at: datetime, commit: str | None) -> dict[str, Any]:
+                 runs: dict[str, SystemRun], started_at: datetime, commit: str | None,
+                 bandwidth: dict | None = None) -> dict[str, Any]:
     reference = report.reference_of(runs)
     record = {
         "date": started_at.isoformat(),
@@ -174,6 +181,8 @@ def build_record(config: BenchConfig, workload: Workload, engine_args: Any, mach
         "systems": {name: report.system_figures(run, workload) for name, run in runs.items()},
         "comparisons": report.comparisons(runs, decoder_for(engine_args, runs)),
         "decode": None,
+        "bandwidth": bandwidth,
+        "phases": phases_of(workload, engine_args, runs, machine_ceiling, bandwidth),
         "rows": {name: report.row_records(run) for name, run in runs.items() if run.available},
     }
     if reference is not None:
@@ -182,3 +191,15 @@ def build_record(config: BenchConfig, workload: Workload, engine_args: Any, mach
         record["decode"] = ceiling.decode_share(ref.details["parameters"], output_tokens, ref.wall_s,
                                                 machine_ceiling["flops"])
     return record
+
+
+def phases_of(workload: Workload, engine_args: Any, runs: dict[str, SystemRun], machine_ceiling: dict,
+              bandwidth: dict | None) -> dict[str, Any] | None:
+    """Each system's prefill and decode against the roofline (phase_report.py); None without a bandwidth, or for a
+    quantized run (the floor is the unquantized model's)."""
+    from .phase_report import model_counts, phase_record
+
+    if bandwidth is None or engine_args.quantization is not None:
+        return None
+    counts = model_counts(engine_args.model, engine_args.dtype)
+    return phase_record(workload, runs, counts, bandwidth["bytes_per_s"], machine_ceiling["flops"])

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from .phase_report import format_phases
 from .roofline_report import HISTORY_HEADER, history_lines
 from .system_types import SystemRun, availability
 from .table import _fmt, render_table, short_dtype
@@ -211,6 +212,7 @@ def format_table(record: dict[str, Any]) -> str:
                  f"({short_dtype(ceiling.get('dtype', 'float32'))} {ceiling['matmul_n']}x"
                  f"{ceiling['matmul_n']} matmul, best of {ceiling['reps']}"
                  + (f", {ceiling['kernel']}" if "kernel" in ceiling else "") + ")")
+    parts += format_phases(record)
     decode = record.get("decode")
     if decode:
         parts.append(f"  {reference} during decode: {decode['decode_flops'] / 1e9:,.2f} GFLOP/s = "

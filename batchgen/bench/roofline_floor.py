@@ -89,3 +89,60 @@ def prefill_floor(counts: ModelCounts, num_seqs: int, seq_len: int, bandwidth: f
               2 * (counts.matmul_params - counts.lm_head_params) * tokens + 2 * counts.lm_head_params * num_seqs)
     attention = (tokens * counts.kv_bytes_per_token, attention_flops(counts, num_seqs * seq_len * (seq_len + 1) / 2))
     return Floor.of(linear, attention, bandwidth, flop_rate)
+
+
+# -- a whole run's phases (bench --workload ...: phase_report.py) ------------------------------------------------
+# Prefill: every prompt token that must be computed, each prefix that rows share computed once (what a prefix cache
+# reaches at best), then each row's first token from the LM head; one pass over the weights. Decode: one step per
+# further output token, batch = the rows still generating, each attending over its prompt and its output so far;
+# every step reads the weights again. Each step's floor is max(bytes / bandwidth, FLOPs / rate); the phase's is
+# their sum.
+
+def counts_of_description(model, dtype) -> ModelCounts:
+    """From a ModelDescription (batchgen.models.inspector) alone, the unquantized model in `dtype`: the roofline
+    of the model, whatever form a system keeps its weights in."""
+    from batchgen.engine.engine_plan import kv_bytes_per_token
+
+    table = model.vocab_size * model.hidden_size
+    matmul_params = model.parameters - table + (table if model.tie_word_embeddings else 0)
+    return ModelCounts(model.num_layers, model.num_heads, model.head_dim, matmul_params, table,
+                       matmul_params * dtype.itemsize, kv_bytes_per_token(model, dtype))
+
+
+def distinct_prefixes(prompts: list[list[int]]) -> tuple[int, int]:
+    """(tokens, attention pairs) of the prompts with every prefix that rows share computed once (a token trie): the
+    least prefill work, which a prefix cache reaches at token rather than block granularity."""
+    root: dict = {}
+    tokens = pairs = 0
+    for prompt in prompts:
+        node = root
+        for depth, token in enumerate(prompt, 1):
+            if token not in node:
+                node[token] = {}
+                tokens += 1
+                pairs += depth  # this token attends to itself and every one before it
+            node = node[token]
+    return tokens, pairs
+
+
+def prefill_phase_floor(counts: ModelCounts, prompts: list[list[int]], bandwidth: float, flop_rate: float) -> Floor:
+    """The prompts' distinct tokens computed once each, then each row's first token from the LM head."""
+    tokens, pairs = distinct_prefixes(prompts)
+    linear = (counts.weight_bytes, 2 * (counts.matmul_params - counts.lm_head_params) * tokens
+              + 2 * counts.lm_head_params * len(prompts))
+    attention = (tokens * counts.kv_bytes_per_token, attention_flops(counts, pairs))
+    return Floor.of(linear, attention, bandwidth, flop_rate)
+
+
+def decode_phase_floor(counts: ModelCounts, prompt_lens: list[int], output_lens: list[int], bandwidth: float,
+                       flop_rate: float) -> dict:
+    """Every decode step of rows with these prompt and output lengths (the first output token is prefill's):
+    {floor_s, serial_s, memory_s, compute_s, steps}, each summed over the steps."""
+    totals = {"floor_s": 0.0, "serial_s": 0.0, "memory_s": 0.0, "compute_s": 0.0, "steps": 0}
+    for step in range(1, max(output_lens, default=0)):
+        contexts = [p + step for p, o in zip(prompt_lens, output_lens) if o > step]
+        floor = decode_floor(counts, len(contexts), sum(contexts) / len(contexts), bandwidth, flop_rate)
+        for key in ("floor_s", "serial_s", "memory_s", "compute_s"):
+            totals[key] += getattr(floor, key)
+        totals["steps"] += 1
+    return totals

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("labeling", "generation", "mixed")
+WORKLOADS = ("labeling", "generation", "mixed")  # and realistic: workload_realistic.py
 
 
 @dataclass
@@ -20,12 +20,12 @@ class BenchRow:
     id: int
     token_ids: list[int]  # the full prompt, chat template included
     max_tokens: int
-    kind: str  # labeling | generation | job | random
+    kind: str  # labeling | generation | realistic | job | random
 
 
 @dataclass
 class Workload:
-    name: str  # labeling | generation | mixed | job:<file>
+    name: str  # labeling | generation | mixed | realistic | job:<file>
     model: str  # what EngineArgs.model takes: "default", a directory or a .gguf
     rows: list[BenchRow]
     notes: list[str] = field(default_factory=list)
