@@ -34,7 +34,7 @@ DEFAULT_BATCH_SIZES = {"embed": (16, 32, 64, 128), "classify": (16, 32, 64, 128)
 @click.command()
 @click.argument("job", metavar="[JOB.yaml]", required=False)
 @click.option("--workload", type=click.Choice(["labeling", "generation", "mixed", "realistic", "embed", "classify",
-                                              "score", "lora"]),
+                                              "score", "lora", "speculative"]),
               default="generation", show_default=True,
               help="Built-in synthetic workload (ignored with a JOB.yaml). realistic: a support-reply drafting "
                    "job's rows (a shared system prompt, ~100-token messages, 64 output tokens). embed, classify "
@@ -43,7 +43,8 @@ DEFAULT_BATCH_SIZES = {"embed": (16, 32, 64, 128), "classify": (16, 32, 64, 128)
                    "model's log-likelihoods against vLLM's prompt_logprobs and a transformers forward). lora: "
                    "generation rows over 4 LoRA adapters in one engine against the base model and against "
                    "merged-model engines one after another (--rows default 256, --max-tokens default 64, --dtype "
-                   "default auto).")
+                   "default auto). speculative: prompt-lookup speculation off and on at each --batch-sizes, "
+                   "extraction rows and generation rows (--systems extraction,generation; spec_bench.py).")
 @click.option("--rows", type=int, default=None, help="Rows to run [default: 200; with a job: all of its rows].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic workload.")
 @click.option("--systems", default=None, callback=_comma_list,
@@ -104,13 +105,19 @@ DEFAULT_BATCH_SIZES = {"embed": (16, 32, 64, 128), "classify": (16, 32, 64, 128)
               help="Timed steps per --roofline case (after 2 warm-up steps); the best is set against the floor.")
 @click.option("--lora", "lora", multiple=True, metavar="NAME=DIR",
               help="--workload lora: a PEFT adapter to run (repeatable) [default: 4 random rank-8 adapters].")
+@click.option("--batch-sizes", default=None, callback=_int_list,
+              help="--workload speculative: max_num_seqs of each pair of runs [default: 1,4,8,16,32].")
+@click.option("--spec-max-batch", type=int, default=None,
+              help="--workload speculative: speculative.max_batch of the on runs [default: the run's batch].")
+@click.option("--batch-invariant", is_flag=True, help="--workload speculative: the batch-invariant kernels.")
 def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: tuple[str, ...],
           hf_batch_sizes: tuple[int, ...], vllm_python: str | None, out_dir: str, archive: str, history: bool,
           max_num_seqs: int | None, kv_cache_memory: str | None, hf_continuous_time_limit: float,
           max_tokens_scale: float, dtype: str | None, hf_dtype: str | None, vllm_threads_bind: str, model: str | None,
           ignore_eos: bool, max_tokens: int | None, quantization: str | None, model_impl: str | None, roofline: bool,
           roofline_batches: tuple[int, ...], roofline_contexts: tuple[int, ...], roofline_prefill: str,
-          roofline_reps: int, lora: tuple[str, ...]) -> None:
+          roofline_reps: int, lora: tuple[str, ...], batch_sizes: tuple[int, ...] | None,
+          spec_max_batch: int | None, batch_invariant: bool) -> None:
     """Benchmark batchgen against transformers (static and continuous batching) and vLLM on the same rows,
     greedy, in one run; print the table and ratios, write a JSON record and a PNG chart to --out, and append to
     the archive. With --roofline: batchgen's engine steps against the machine's floor instead."""
@@ -130,6 +137,10 @@ def bench(job: str | None, workload: str, rows: int | None, seed: int, systems: 
     if workload == "lora" and not job:
         bench_lora(model, rows, seed, max_tokens, dtype, lora, systems, max_num_seqs, kv_cache_memory, out_dir,
                    archive)
+        return
+    if workload == "speculative" and not job:
+        bench_speculative(model, rows, seed, max_tokens, dtype, systems, batch_sizes, spec_max_batch,
+                          batch_invariant, kv_cache_memory, out_dir, archive)
         return
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # "Loading weights" bars, once per baseline
@@ -204,4 +215,24 @@ def bench_lora(model: str | None, rows: int | None, seed: int, max_tokens: int |
     except ValueError as exc:  # a bad option, or an adapter that does not fit the model (AdapterError)
         fail(EXIT_JOB, str(exc))
     click.echo(format_lora_table(result.record))
+    click.echo(f"  record: {result.record_path}  archive: {result.archive_path}")
+
+
+def bench_speculative(model: str | None, rows: int | None, seed: int, max_tokens: int | None, dtype: str | None,
+                      systems: tuple[str, ...] | None, batch_sizes: tuple[int, ...] | None,
+                      spec_max_batch: int | None, batch_invariant: bool, kv_cache_memory: str | None, out_dir: str,
+                      archive: str) -> None:
+    """`bench --workload speculative`: spec_bench.py's pairs of runs."""
+    from batchgen.bench.spec_bench import SpecBenchConfig, format_spec_table, run_spec_bench
+
+    given = {key: value for key, value in (("rows", rows), ("max_tokens", max_tokens), ("workloads", systems),
+                                           ("batch_sizes", batch_sizes)) if value is not None}
+    try:
+        config = SpecBenchConfig(model=model, dtype=dtype, seed=seed, spec_max_batch=spec_max_batch,
+                                 batch_invariant=batch_invariant, kv_cache_memory=kv_cache_memory, out_dir=out_dir,
+                                 archive=archive, **given)
+        result = run_spec_bench(config, log=lambda line: click.echo(line, err=True))
+    except ValueError as exc:
+        fail(EXIT_JOB, str(exc))
+    click.echo(format_spec_table(result.record))
     click.echo(f"  record: {result.record_path}  archive: {result.archive_path}")

@@ -9,8 +9,10 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 
 # Speculation runs in a step only while at most this many sequences decode. Verifying K guesses costs a row of
 # matmul work each; where a step's matmuls are already compute-bound (a CPU at a few dozen rows), rejected guesses
-# are pure loss. Measured: docs/performance.md, "Issue 43: speculative decoding".
-DEFAULT_MAX_BATCH = 8
+# are pure loss. Measured (docs/performance.md, "Issue 43: speculative decoding"; 135M bf16, 2 AMX cores): copying
+# rows 1.19x at 32 sequences, 1.05x at 64 and 1.02x at 128 (step cost 1.6-1.8x, inside one run's noise); free text
+# 1.02x at 32. So 32: the largest batch where copying rows still clearly gain and free text does not lose.
+DEFAULT_MAX_BATCH = 32
 
 
 @dataclass(frozen=True)
