@@ -193,3 +193,8 @@ def test_quantization_is_part_of_the_resume_fingerprint_only_when_on():
     int8 = job_fingerprint(parse_job({**raw, "engine": {"quantization": "int8"}}), "default", no_inputs)
     assert "quantization" not in plain  # outputs written before the setting existed still resume
     assert describe_changes(plain, int8) == describe_changes(int8, plain) == "quantization changed"
+    kv = job_fingerprint(parse_job({**raw, "engine": {"kv_cache_dtype": "int8"}}), "default", no_inputs)
+    assert "kv_cache_dtype" not in plain and describe_changes(plain, kv) == "kv_cache_dtype changed"
+    guessing = job_fingerprint(parse_job({**raw, "engine": {"speculative": {"method": "ngram"}}}), "default",
+                               no_inputs)
+    assert guessing == plain  # speculation changes no output: a run may resume with it turned on or off

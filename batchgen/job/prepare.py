@@ -237,6 +237,8 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles, target: E
         # which layers a calibrated int8 keeps in the dtype; absent when unset, for the same reason
         **({name: dataclasses.asdict(config.engine)[name] for name in ("quantization_calibration", "quantization_keep")
             if getattr(config.engine, name, None) is not None}),
+        # an int8 KV cache rounds K and V (outputs change); speculation does not change them, so it is not here
+        **({"kv_cache_dtype": config.engine.kv_cache_dtype} if config.engine.kv_cache_dtype != "auto" else {}),
         # a shorter context cuts rows short (finish_reason length); absent when unset, for the same reason
         **({"max_model_len": config.engine.max_model_len} if config.engine.max_model_len else {}),
         # batch-invariant arithmetic gives some rows other bits than the default's; absent when off, as above
