@@ -48,8 +48,8 @@ def _speculative(plan: Plan) -> list[str]:
     rows = min(plan.config.engine.max_num_seqs, plan.rows_left or plan.inputs.total_rows)
     when = f"on throughout (at most {rows:,} sequences at once)" if rows <= spec.max_batch else \
         f"off while more than {spec.max_batch} sequences decode (this job's batch: up to {rows:,}), on as it thins"
-    pays = "it pays where outputs copy the prompt (extraction, rewriting) at small batches: 1.6x at 1 sequence, 1.4x " \
-        "at 8, ~1.0x from 64 on a 2-core AMX CPU, and ~1.0x on free text (docs/performance.md, issue 43)"
+    pays = "it pays where outputs copy the prompt (extraction, rewriting) at small batches: 1.7-2.1x at 1 sequence, " \
+        "1.3-1.5x at 8, ~1.0x from 64 on a 2-core AMX CPU, and ~1.0x on free text (docs/performance.md, issue 43)"
     return [f"speculative: {how}, up to {spec.num_tokens} guessed tokens a step and sequence; {when}; {pays}; greedy "
             f"and seeded outputs unchanged"]
 
