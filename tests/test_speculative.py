@@ -160,7 +160,7 @@ def test_a_draft_model_changes_no_token(plain, default_model_dir, default_int8_d
     """The default model's int8 (W8A8) conversion drafting for its fp32 weights: the same tokens as without, most
     guesses standing; its weights and KV counted in the engine's memory."""
     results, stats, _ = _run(default_model_dir, {"method": "draft", "model": str(default_int8_dir), "num_tokens": 3},
-                             only=(0, 1, 3, 5))
+                             only=(0, 1))
     _same(plain[0], results)
     assert stats["spec_acceptance_rate"] > 0.5 and stats["spec_draft_model_bytes"] > 0, stats
 
