@@ -18,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "as_float.h"
 #include "vec16.h"
 
 #include <immintrin.h>
@@ -34,19 +35,6 @@
 namespace {
 
 constexpr int64_t kTile = 16;  // keys per tile: one vector of scores per query head
-
-template <typename T>
-inline float as_float(T x) {
-  return static_cast<float>(x);
-}
-
-template <>
-inline float as_float<c10::BFloat16>(c10::BFloat16 x) {  // the top half of an fp32: a shift
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // Start loading a row of the next tile: the blocks of a sequence lie anywhere in the cache, so the hardware
 // prefetchers cannot guess where the next one starts (measured: 2x on contexts far larger than the caches; still
