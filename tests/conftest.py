@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,22 @@ def cache_sharing_builds(cache: Path) -> Path:
     for name in ("gguf", "kernels"):
         (cache_root() / name).mkdir(parents=True, exist_ok=True)
         (cache / name).symlink_to(cache_root() / name)
+    return cache
+
+
+def cache_copying_builds(cache: Path) -> Path:
+    """A BATCHGEN_CACHE_DIR of a test's own holding copies (not links: for a process that must share no directory
+    with the test's) of the default model's conversion and of the C++ kernels this machine builds, built here first
+    if the suite has not yet: each would otherwise cost its process ~25-50 s."""
+    from batchgen.models.gguf_cache import cache_root
+    from batchgen.models.loader import resolve_model
+    from batchgen_kernels import amx, cpu_build
+
+    converted = resolve_model("default")
+    cpu_build.load()
+    amx.status()
+    shutil.copytree(converted, cache / "gguf" / converted.name)
+    shutil.copytree(cache_root() / "kernels", cache / "kernels")
     return cache
 
 

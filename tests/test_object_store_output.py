@@ -22,7 +22,7 @@ import polars as pl
 import pytest
 import yaml
 
-from batchgen.models.loader import resolve_model
+from conftest import cache_copying_builds
 from ray_processes import processes_under
 from report_pages import render_report
 from s3_server import ACCESS_KEY, SECRET_KEY, ThrottlingProxy, free_port, start_s3_server_holding
@@ -130,10 +130,15 @@ def test_refusals_name_the_object(tmp_path, s3):
 def test_two_runs_at_once_the_second_exits_75_and_a_killed_runs_lease_is_taken_over_once_stale(tmp_path, s3):
     """read() checks that only the final parts are left: the planted duplicate part was deleted, not read. The
     killed run's lease is made another host's (on its own host a re-run takes it over at once:
-    test_object_store_isolation.py), whose death no re-run here can see. One row at a time and 48 new tokens each:
-    the first run must outlast a second run's start-up whatever the model's speed (at 2 rows and 12 tokens the int8
-    default model finished first), and each row's arithmetic is that of a run alone, as in the local reference."""
-    sections = {"engine": {**SAMPLE["engine"], "max_num_seqs": 1}, "sampling": {**SAMPLE["sampling"], "max_tokens": 48}}
+    test_object_store_isolation.py), whose death no re-run here can see. One row at a time, 12 rows of up to 48 new
+    tokens: the first run must outlast a second run's start-up whatever the model's speed (at 2 rows and 12 tokens
+    the int8 default model finished first), and each row's arithmetic is that of a run alone, as in the local
+    reference."""
+    twelve = tmp_path / "twelve.parquet"
+    pl.read_parquet(PROMPTS).head(12).write_parquet(twelve)
+    s3.client().upload_file(str(twelve), "inputs", "twelve/prompts.parquet")
+    sections = {"engine": {**SAMPLE["engine"], "max_num_seqs": 1}, "sampling": {**SAMPLE["sampling"], "max_tokens": 48},
+                "input": {**SAMPLE["input"], "path": "s3://inputs/twelve/prompts.parquet"}}
     # a ttl a re-run's start-up (imports, checks) stays well inside on a loaded machine
     job = write_job(tmp_path, "twice", f"s3://{BUCKET}/twice", storage={"lease_ttl_s": 12},
                     output={"rows_per_part": 1, "commit_interval_s": 0.2}, **sections)
@@ -267,12 +272,13 @@ def test_ray_replicas_and_driver_share_no_directory(tmp_path, s3, local):
     pytest.importorskip("ray")
     cluster = Path(tempfile.mkdtemp(prefix="bg-", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
     driver = tmp_path / "driver"
-    for folder in (cluster / "tmp", cluster / "cache" / "gguf", driver / "tmp"):
+    for folder in (cluster / "tmp", driver / "tmp"):
         folder.mkdir(parents=True)
-    # The cluster's own cache holds its own copy of the default model's conversion: two replicas converting it at
-    # once, a minute or two of the suite, is tests/test_loader.py's case (test_concurrent_conversion_uses_the_winner).
-    converted = resolve_model("default")
-    shutil.copytree(converted, cluster / "cache" / "gguf" / converted.name)
+    # The cluster and the driver each hold their own copies of the default model's conversion and the C++ kernels:
+    # replicas converting and compiling at once, two minutes of the suite, are tests/test_loader.py's case
+    # (test_concurrent_conversion_uses_the_winner) and tests/test_cpu_attention.py's.
+    cache_copying_builds(cluster / "cache")
+    cache_copying_builds(driver / "cache")
     port = free_port()
     token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}  # as a real cluster's driver is given
     cluster_env = {**s3.env(), **token, "TMPDIR": str(cluster / "tmp"), "BATCHGEN_CACHE_DIR": str(cluster / "cache")}
