@@ -13,9 +13,11 @@ import pytest
 import yaml
 
 from batchgen.engine import Engine, EngineArgs, Request, SamplingParams
+from batchgen.engine.speculative import Speculator, SpeculativeConfig
 from batchgen.engine.speculative.ngram import propose_ngram
 from batchgen.engine.speculative.verify import confirmed_rows
 from batchgen.engine.sequence import Sequence
+from batchgen.models.quantization import WEIGHT_ONLY_MAX_ROWS
 from cli_runs import read, run_cli
 
 NGRAM = {"method": "ngram", "num_tokens": 4}
@@ -69,7 +71,7 @@ def _run(model_dir, speculative, only: tuple[int, ...] | None = None, **engine) 
         for result in engine.step():
             results[(result.request_id, result.sample_index)] = result
         if engine.last_step is not None:
-            steps.append((engine.stats()["num_running"], engine.last_step.num_draft_tokens))
+            steps.append((engine.stats()["num_running"], engine.last_step))
     return results, engine.stats(), steps
 
 
@@ -110,8 +112,36 @@ def test_preempted_and_cached_sequences_speculate_the_same(plain, default_model_
 def test_large_batches_do_not_speculate(plain, default_model_dir):
     results, stats, steps = _run(default_model_dir, {**NGRAM, "max_batch": 3})
     _same(plain[0], results)
-    assert all(drafts == 0 for running, drafts in steps if running > 3)
-    assert any(drafts > 0 for _, drafts in steps), steps  # the batch thins out at the end
+    assert all(step.num_draft_tokens == 0 for running, step in steps if running > 3)
+    assert any(step.num_draft_tokens > 0 for _, step in steps), steps  # the batch thins out at the end
+
+
+def test_small_steps_do_not_leave_the_int8_weight_only_kernel(default_int8_dir):
+    """The default model as `batchgen run` holds it (int8), in bf16, runs its Linears weight-only on an int8 kernel
+    up to WEIGHT_ONLY_MAX_ROWS rows: a decode step of 4 sequences, whose guesses would take it past them, guesses
+    nothing; 1-3 sequences and more than 4 guess (6 copying rows, which guess all they may)."""
+    engine = Engine(EngineArgs(model=str(default_int8_dir), dtype="bfloat16", kv_cache_memory="64MiB",
+                               max_num_seqs=16, speculative=NGRAM))
+    template = engine.tokenizer.apply_chat_template
+    for i, text in enumerate(COPYING * 2):
+        ids = engine.tokenizer.encode(template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=False))
+        engine.add_request(Request(i, ids, SamplingParams(max_tokens=32, temperature=0.0)))
+    drafts = {}  # decoding sequences -> guesses of each such decode step
+    while engine.has_unfinished():
+        engine.step()
+        step = engine.last_step
+        if step is not None and step.num_prefill_tokens == 0:
+            drafts.setdefault(step.num_decodes, []).append(step.num_draft_tokens)
+    assert drafts.get(4) and not any(drafts[4]), drafts
+    assert any(any(drafts.get(n, [])) for n in (1, 2, 3)) and any(any(drafts.get(n, [])) for n in (5, 6)), drafts
+
+
+def test_the_guesses_a_step_allows():
+    capped = Speculator(SpeculativeConfig("ngram", num_tokens=4), 512, kernel_rows=WEIGHT_ONLY_MAX_ROWS)
+    assert [capped.guesses(n) for n in (1, 3, 4, 5, 8, 9, 32, 33)] == [4, 4, 0, 4, 4, 4, 4, 0]
+    plain = Speculator(SpeculativeConfig("ngram", num_tokens=4), 512)
+    assert [plain.guesses(n) for n in (1, 8, 32, 33)] == [4, 4, 4, 0]
 
 
 def test_settings_are_checked_by_key():

@@ -106,13 +106,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        speculating = self.speculator is not None and self.speculator.active(len(self.running))
+        guesses = self.speculator.guesses(len(self.running)) if self.speculator is not None else 0
 
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            lookahead = min(self.speculator.lookahead(seq), budget - num_new) if speculating else 0
+            lookahead = min(self.speculator.lookahead(seq), guesses, budget - num_new) if guesses else 0
             if lookahead and self.kv_cache_manager.allocate_slots(seq, num_new + lookahead):
                 out.lookaheads[seq] = lookahead
                 num_new += lookahead

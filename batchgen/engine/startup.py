@@ -19,7 +19,7 @@ from ..models.loader import engine_model_dir, eos_token_ids, load_model, load_to
 from ..models.accounting import num_parameters, weight_bytes
 from ..models.moe import SparseMoeBlock
 from ..models.packed_linear import PackedLinear, packing_supported
-from ..models.quantization import Int8Linear
+from ..models.quantization import Int8Linear, weight_only_kernel_rows
 from ..models.upcast_linear import UpcastLinear, upcast_supported
 from .cpu_features import DtypeChoice
 from .cuda_graphs import DecodeGraphRunner, padded_decode_supported
@@ -173,7 +173,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
         draft = None
         if args.speculative.method == "draft":
             draft = load_draft(args, plan.kv_pool.num_blocks, dtype.dtype, device, pack, tokenizer, model.vocab_size)
-        speculator = Speculator(args.speculative, max_model_len, draft)
+        speculator = Speculator(args.speculative, max_model_len, draft, weight_only_kernel_rows(model))
     # A draft model's weights and its KV cache are held beside the model's (the memory bound counts them)
     draft_bytes = speculator.draft_bytes if speculator is not None else 0
     return EngineSetup(plan, tokenizer, model, num_parameters(model), weight_bytes(model) + draft_bytes, eos, runner,

@@ -162,6 +162,17 @@ def _weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Ten
     return out
 
 
+def weight_only_kernel_rows(model: nn.Module) -> int | None:
+    """The most rows a step's Linears run on the int8 weight-only kernel (WEIGHT_ONLY_MAX_ROWS), where the model has
+    such layers on 16-bit activations and not batch-invariant: a step of more rows takes the converted weight, a
+    jump in its cost (speculative decoding keeps small steps under it). None where no Linear switches."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear) and module.activations == "weight_only" and not module.batch_invariant \
+                and module.scale.dtype in WEIGHT_ONLY_DTYPES:
+            return WEIGHT_ONLY_MAX_ROWS
+    return None
+
+
 def _dynamic_int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per-token symmetric int8 activations x int8 weights -> int32, rescaled in fp32; x's dtype out."""
     x32 = x.float()
