@@ -109,6 +109,14 @@ def kv_scale_args(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Te
     return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1), True
 
 
+def unpipelined_for_fp32(kv_int8: bool, dtype: torch.dtype) -> dict:
+    """Launch options of the attention kernels: over an int8 cache with an fp32 query, no software pipelining. The
+    pipelined int8 tiles made the fp32 (IEEE, FMA) decode dot spill 3.6-4 KB of stack per thread on sm_90
+    (triton_aot); unpipelined it spills at most tens of bytes, as over an fp32 cache. 16-bit queries keep the
+    pipelining: they compile without spills."""
+    return {"num_stages": 1} if kv_int8 and dtype == torch.float32 else {}
+
+
 def triton_error_reason(exc: BaseException) -> str:
     """One line for a Triton failure. A CompilationError's own message is the kernel's source, and the reason (tl.dot's
     "K >= 16") is in the error it was raised from: the innermost message of the chain is the one that says."""

@@ -23,7 +23,7 @@ import triton.language as tl
 from .metadata import kernel_window
 from .reference import KVScales
 from .triton_common import (LOG2E, dot, dot_needs_fp32, kv_scale_args, load_kv_tile, online_softmax_update,
-                            paged_slots)
+                            paged_slots, unpipelined_for_fp32)
 
 BLOCK_N = 64  # context tokens per inner-loop tile
 MIN_TOKENS_PER_SPLIT = 256  # a whole number of BLOCK_N tiles
@@ -209,5 +209,6 @@ def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows at least
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
         MIN_SPLIT_TILES=MIN_TOKENS_PER_SPLIT // BLOCK_N, SPLIT=split,
-        WIDEN_DOT=dot_needs_fp32(q.dtype if kv_int8 else k_cache.dtype), KV_INT8=kv_int8)
+        WIDEN_DOT=dot_needs_fp32(q.dtype if kv_int8 else k_cache.dtype), KV_INT8=kv_int8,
+        **unpipelined_for_fp32(kv_int8, q.dtype))
     return (part_max, part_sum, part_acc) if split else None

@@ -16,7 +16,7 @@ import triton.language as tl
 from .metadata import kernel_window
 from .reference import KVScales
 from .triton_common import (LOG2E, dot, dot_needs_fp32, kv_scale_args, load_kv_tile, online_softmax_update,
-                            paged_slots)
+                            paged_slots, unpipelined_for_fp32)
 
 
 # first_seq (the step's number of decodes) and the block table's width change from step to step: not specialised on,
@@ -114,7 +114,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), stride_sb, stride_ss,
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        WIDEN_DOT=dot_needs_fp32(tile_dtype), KV_INT8=kv_int8, num_warps=num_warps)
+        WIDEN_DOT=dot_needs_fp32(tile_dtype), KV_INT8=kv_int8, num_warps=num_warps,
+        **unpipelined_for_fp32(kv_int8, q.dtype))
     return out
 
 
