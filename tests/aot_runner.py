@@ -2,12 +2,13 @@
 says why and how): `python tests/aot_runner.py --target sm_90 [--specialisations] --out report.json`.
 
 It writes the report of every case of the engine's matrix and of the planted bugs, the kernels the Triton modules
-define, and with --specialisations the variants a realistic run compiles: after the engine's warm-up, then after
-a sequence of eager and CUDA-graph steps on a Llama-3.2-1B-shaped model whose first layer has a sliding window, as
-Gemma 3's local layers do (on the meta device, 132 SMs as an H200); and the MoE experts' grouped matmul
-(triton_moe.py) through grouped_experts at Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes, in bf16 and fp16; and
-the per-row LoRA deltas (triton_lora.py) through lora_delta at SmolLM2-135M's projections (rank 8 per part) in bf16
-and fp16, and at the widest shape the kernel takes (rank triton_lora.MAX_RANK, 16,384 features in and out).
+define, and with --specialisations the variants a realistic run compiles: after the engine's warm-up, then after a
+sequence of eager and CUDA-graph steps on a Llama-3.2-1B-shaped model whose first layer has a sliding window, as
+Gemma 3's local layers do (on the meta device, 132 SMs as an H200), over a bf16 cache and over an int8 one; and the
+MoE experts' grouped matmul (triton_moe.py) through grouped_experts at Mixtral-8x7B's and Qwen3-30B-A3B's expert
+shapes, in bf16 and fp16; and the per-row LoRA deltas (triton_lora.py) through lora_delta at SmolLM2-135M's
+projections (rank 8 per part) in bf16 and fp16, and at the widest shape the kernel takes (rank triton_lora.MAX_RANK,
+16,384 features in and out).
 """
 from __future__ import annotations
 
@@ -58,10 +59,10 @@ def defined_kernels() -> list[str]:
                   if isinstance(fn, JITFunction) and fn.fn.__module__ == module.__name__)
 
 
-def meta_model() -> torch.nn.Module:
+def meta_model(kv_int8: bool = False) -> torch.nn.Module:
     """Llama-3.2-1B's attention (32 query heads over 8 KV heads of 64) in bf16, two layers, the first one local
-    (a sliding window, as in Gemma 3) and the second global, on the meta device, bound to a meta KV cache and the
-    Triton backend."""
+    (a sliding window, as in Gemma 3) and the second global, on the meta device, bound to a meta KV cache (int8
+    with its scales: engine.kv_cache_dtype int8) and the Triton backend."""
     config = LlamaConfig(vocab_size=1024, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                          max_position_embeddings=MAX_MODEL_LEN)
@@ -70,9 +71,10 @@ def meta_model() -> torch.nn.Module:
     model = model.to(device="meta", dtype=torch.bfloat16).eval()
     model.model.layers[0].self_attn.attn.sliding_window = WINDOW
     cache = torch.empty((model.num_layers, 2, 4096, BLOCK_SIZE, model.num_kv_heads, model.head_dim),
-                        dtype=torch.bfloat16, device="meta")
+                        dtype=torch.int8 if kv_int8 else torch.bfloat16, device="meta")
+    scales = torch.empty(cache.shape[:-1], dtype=torch.float32, device="meta")
     model.bind_kv_cache([cache[i, 0] for i in range(model.num_layers)], [cache[i, 1] for i in range(model.num_layers)],
-                        "triton")
+                        "triton", [(scales[i, 0], scales[i, 1]) for i in range(model.num_layers)] if kv_int8 else None)
     return model
 
 
@@ -123,9 +125,9 @@ def specialise_everything() -> None:
                 fn.device_caches.clear()  # rebuilt, with the binder of the new params, on the next launch
 
 
-def specialisations(target: triton_aot.Target) -> dict:
+def specialisations(target: triton_aot.Target, kv_int8: bool = False) -> dict:
     """Distinct compiled variants per kernel after the engine's warm-up and after the realistic steps."""
-    model = meta_model()
+    model = meta_model(kv_int8)
 
     def variants(launched) -> dict[str, int]:
         hashes: dict[str, set[str]] = {}
@@ -232,6 +234,7 @@ def main() -> None:
               "planted": compiled(triton_aot.PLANTED), "moe": moe_reports(target), "lora": lora_reports(target)}
     if args.specialisations:
         report["specialisations"] = specialisations(target)
+        report["specialisations_int8"] = specialisations(target, kv_int8=True)
         specialise_everything()
         report["specialisations_planted"] = specialisations(target)
     with open(args.out, "w") as out:

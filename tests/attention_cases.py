@@ -58,6 +58,21 @@ def make_case(query_lens, seq_lens, *, block_size=16, num_kv_heads=2, group=3, h
     return q, k_cache, v_cache, make_metadata(query_lens, seq_lens, tables, device)
 
 
+def quantized(cache):
+    """An int8 copy of a [N, bs, H, D] cache and its [N, bs, H] scales, by the reference's rule."""
+    from batchgen_kernels import reference
+    values, scales = reference.quantize_kv(cache.view(-1, *cache.shape[2:]))
+    return values.view(cache.shape), scales.view(cache.shape[:3])
+
+
+def int8_case(query_lens, seq_lens, dtype=torch.bfloat16, **kwargs):
+    """make_case's step over an int8 cache: q, the int8 K and V caches, their (K, V) scales, the metadata, and the
+    unquantized caches they came from."""
+    q, k_cache, v_cache, md = make_case(query_lens, seq_lens, dtype=dtype, **kwargs)
+    (k8, ks), (v8, vs) = quantized(k_cache), quantized(v_cache)
+    return q, k8, v8, (ks, vs), md, (k_cache, v_cache)
+
+
 def assert_close(actual, expected):
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[expected.dtype])
 

@@ -166,6 +166,31 @@ def test_the_kernel_warm_up_touches_no_kv_slot(tiny_llama_dir, monkeypatch):
     assert not uses_triton(torch.device("cuda"), "torch") and not uses_triton(torch.device("cpu"), "auto")
 
 
+def test_an_int8_kv_cache_on_the_padded_decode_path_matches_the_cpu_kernels(tiny_llama_dir):
+    """engine.kv_cache_dtype int8 on the Triton kernels, decode-only steps on the padded runner (its padding rows: slot
+    -1, context 0): the tokens of the CPU's own attention (`auto`) over its own int8 cache (fp32: the same int8 bits,
+    the arithmetic's rounding apart), and the warm-up leaves the cache and its scales as they were."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(3, 40))] for _ in range(3)]
+    requests = [Request(i, p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, [6, 4, 2]))]
+    outputs = []
+    for triton in (True, False):
+        engine = make_engine(tiny_llama_dir, triton=triton, kv_cache_dtype="int8", max_num_seqs=4)
+        if triton:
+            engine.runner.decode_graphs = graphs = DecodeGraphRunner(engine.model, 16, 4, engine.max_model_len,
+                                                                     engine.device, capture=False)
+            kv, scales = engine.runner.kv_cache, engine.runner.kv.scales
+            kv.copy_(torch.randint(-127, 128, kv.shape, dtype=torch.int8))
+            scales.copy_(torch.rand(scales.shape))
+            before = kv.clone(), scales.clone()
+            warm_up_attention(engine.model, engine.max_model_len)
+            assert torch.equal(kv, before[0]) and torch.equal(scales, before[1])
+        results = {r.request_id: r.token_ids for r in engine.generate(requests)}
+        outputs.append([results[i] for i in range(3)])
+    assert set(graphs.steps_by_size) == {1, 2, 4}
+    assert outputs[0] == outputs[1]
+
+
 def test_the_profiling_step_runs_on_both_backends(tiny_llama_dir):
     """The dummy step that sizes the KV cache on CUDA: many prompt tokens over the sequences, or one each."""
     for triton in (False, True):
@@ -195,8 +220,8 @@ def test_captured_decode_steps_match_the_unpadded_ones(tiny_llama_dir):
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_on_cuda_with_graphs_matches_eager_and_transformers(tiny_llama_dir, dtype):
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
+def test_engine_on_cuda_with_graphs_matches_eager_and_transformers(tiny_llama_dir, dtype, kv_cache_dtype):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     rng = random.Random(2)
@@ -204,7 +229,7 @@ def test_engine_on_cuda_with_graphs_matches_eager_and_transformers(tiny_llama_di
     outputs = {}
     for eager in (True, False):
         engine = make_engine(tiny_llama_dir, device="cuda", triton=False, dtype=dtype, kv_cache_memory=None,
-                             max_num_seqs=16, enforce_eager=eager)
+                             max_num_seqs=16, enforce_eager=eager, kv_cache_dtype=kv_cache_dtype)
         assert (engine.runner.decode_graphs is None) == eager
         # sized from free device memory, then capped at what 16 sequences of the 512-token context can use
         assert engine.kv_pool.num_blocks == 16 * (512 // 16 + 1) and "gpu_memory_utilization" in engine.kv_pool.reason
@@ -219,6 +244,6 @@ def test_engine_on_cuda_with_graphs_matches_eager_and_transformers(tiny_llama_di
         references = [hf_greedy(hf, p, 24) for p in prompts]
         assert_greedy_matches(hf, prompts, references, outputs[False])
         assert_greedy_matches(hf, prompts, references, outputs[True])
-    else:  # bf16: graphs and eager run the same kernels; only the decode split differs
+    else:  # bf16 (over an int8 cache too): graphs and eager run the same kernels; only the decode split differs
         same = sum(a == b for a, b in zip(outputs[True], outputs[False]))
         assert same >= len(prompts) - 2, (outputs[True], outputs[False])

@@ -57,6 +57,8 @@ def test_dry_run_writes_every_steps_json_with_its_keys(tmp_path):
     assert speed["batchgen"]["finished"] == 10 and speed["batchgen"]["wrong_length"] == 0
     assert speed["hf_static"]["rows"] == 4 and speed["targets"]["speedup_vs_hf_static"] > 0
     assert set(speed["decode"]) == {"1", "4"} and speed["decode"]["4"]["ratio_to_floor"] > 0
+    kv = speed["kv_int8"]  # the reference against itself in a dry run: the flow, not the kernels
+    assert kv["ok"] and kv["store_identical"] and kv["int8_over_bf16"] > 0 and kv["int8_kv_bytes"] < kv["bf16_kv_bytes"]
     summary = read(out / "summary.json")
     assert summary["passed"] and [s["name"] for s in summary["steps"]] == [s.name for s in steps.STEPS]
     assert (out / "check.log").is_file()

@@ -175,16 +175,25 @@ def test_sliding_windows_and_the_generic_path(request, fixture, impl):
     assert generate(max_num_seqs=1) == together
 
 
-def test_the_triton_kernels_refuse_it_by_name():
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+def test_the_plan_takes_it_on_cuda_with_the_triton_kernels(backend):
+    """The Triton kernels read the int8 cache (tests/test_triton_int8.py): a CUDA plan with them, or with auto or the
+    torch reference, is int8 at 2 x layers x kv heads x (head dim + 4 scale bytes) per token."""
     from batchgen.engine.cpu_features import DtypeChoice
-    from batchgen.engine.engine_plan import EngineTarget, kv_cache_dtype
+    from batchgen.engine.engine_plan import EngineTarget, kv_cache_dtype, plan_engine
+    from batchgen.models.inspector import ModelDescription
+    from batchgen_kernels import BackendChoice
 
     cuda = EngineTarget(torch.device("cuda"), DtypeChoice(torch.bfloat16, "bfloat16: auto on CUDA"))
-    with pytest.raises(SettingError, match="Triton kernels do not read it yet") as info:
-        kv_cache_dtype(EngineArgs(kv_cache_dtype="int8"), cuda)
-    assert info.value.key == "kv_cache_dtype"
-    assert kv_cache_dtype(EngineArgs(kv_cache_dtype="int8", attention_backend="torch"), cuda) == torch.int8
-    assert kv_cache_dtype(EngineArgs(), cuda) == torch.bfloat16
+    model = ModelDescription("LlamaForCausalLM", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                             hidden_size=256, intermediate_size=512, vocab_size=384, max_model_len=512)
+    args = EngineArgs(model="unused", device="cuda", kv_cache_dtype="int8", attention_backend=backend,
+                      kv_cache_memory="4MiB")
+    attention = BackendChoice("triton" if backend != "torch" else "torch", "test")
+    plan = plan_engine(args, model, target=cuda, attention=attention)
+    assert plan.cache_dtype == torch.int8 and plan.kv_bytes_per_token == 2 * 2 * 2 * (64 + 4)
+    assert kv_cache_dtype(args, cuda) == torch.int8
+    assert kv_cache_dtype(EngineArgs(attention_backend=backend), cuda) == torch.bfloat16
 
 
 def test_n_samples_fork_the_int8_blocks_and_their_scales(model_dir):

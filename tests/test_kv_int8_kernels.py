@@ -4,24 +4,12 @@ Skipped as a whole where the C++ kernels cannot be built."""
 import pytest
 import torch
 
-from attention_cases import (WINDOWS, assert_close, forget_blocks_before_windows, make_case, poison_unused_slots,
+from attention_cases import (WINDOWS, assert_close, forget_blocks_before_windows, int8_case, poison_unused_slots,
                              window_decode_lens, window_prefill_lens)
 from batchgen_kernels import cpu_backend, cpu_invariant, reference
 
 if not cpu_backend.available():
     pytest.skip("the C++ CPU kernels cannot be built here", allow_module_level=True)
-
-
-def quantized(cache):
-    """An int8 copy of a [N, bs, H, D] cache and its [N, bs, H] scales, by the reference's rule."""
-    values, scales = reference.quantize_kv(cache.view(-1, *cache.shape[2:]))
-    return values.view(cache.shape), scales.view(cache.shape[:3])
-
-
-def int8_case(query_lens, seq_lens, dtype=torch.bfloat16, **kwargs):
-    q, k_cache, v_cache, md = make_case(query_lens, seq_lens, dtype=dtype, **kwargs)
-    (k8, ks), (v8, vs) = quantized(k_cache), quantized(v_cache)
-    return q, k8, v8, (ks, vs), md, (k_cache, v_cache)
 
 
 def both(q, k8, v8, scales, md, scale, window=None, backend=cpu_backend):

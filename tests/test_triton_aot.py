@@ -60,7 +60,8 @@ def reports(tmp_path_factory) -> dict[str, dict]:
 
 def describe(report: dict) -> str:
     case = report["case"]
-    return f"{report['target']} {case['dtype']} D{case['head_dim']} group {case['group']} block {case['block_size']}"
+    return (f"{report['target']} {case['dtype']} D{case['head_dim']} group {case['group']} block {case['block_size']}"
+            f"{' kv int8' if case['kv_int8'] else ''}")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -132,6 +133,23 @@ def test_only_fp32_spills(reports):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_every_attention_kernel_compiles_for_an_int8_cache(reports, target):
+    """engine.kv_cache_dtype int8 on the Triton kernels: the store (quantizing), the decode (one split and several),
+    its reduction and the prefill, each compiled over an int8 cache with its scales at the engine's shapes, the
+    kernel tests' fp32 one and the widest bf16 head, within the checks above (16-bit: tensor cores, no spills). fp32
+    spills no more than over an fp32 cache (tens of bytes; pipelined, its decode spilled 4 KB per thread)."""
+    cases = [r for r in reports[target]["cases"] if r["case"]["kv_int8"]]
+    assert [(r["case"]["dtype"], r["case"]["head_dim"]) for r in cases] == [
+        ("bfloat16", 64), ("bfloat16", 128), ("float32", 80), ("bfloat16", 256)]
+    for report in cases:
+        assert not report["problems"], describe(report)
+        kernels = [v["kernel"] for v in report["variants"]]
+        assert sorted(set(kernels)) == sorted(VARIANT_BOUND), describe(report)
+        assert kernels.count("_decode_split_kernel") == 2, describe(report)
+        assert max(v["spill_bytes"] for v in report["variants"]) <= 128, describe(report)
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("planted, expected", [(0, "does not compile: CompilationError: Input shapes should have"),
                                                (1, "_prefill_kernel needs")])
 def test_the_planted_bugs_are_reported(reports, target, planted, expected):
@@ -157,15 +175,16 @@ def test_the_engine_s_limits_sit_where_compilation_fails(reports):
 
 
 def test_a_run_compiles_nothing_after_the_warm_up(reports):
-    """A realistic sequence of eager and CUDA-graph steps (0, 1, 3, 16 decodes next to a prefill; 1 to 256
-    sequences; contexts of one block to 40,000 tokens, 1 to 32 splits) through a model with a sliding-window layer
-    and a full one compiles no variant the engine's warm-up did not, and the variants are the bounded set: both
-    kinds of layer share them. Planted: with every argument specialised again (no do_not_specialize), the window
-    (512, a multiple of 16, against -1) splits the warm-up's variants by layer, and the steps compile new ones, so
-    the count has teeth."""
-    found = reports["sm_90"]["specialisations"]
-    assert found["after_run"] == found["after_warm_up"] == VARIANT_BOUND, found
-    assert found["launches"] > 100
+    """A realistic sequence of eager and CUDA-graph steps (0, 1, 3, 16 decodes next to a prefill; 1 to 256 sequences;
+    contexts of one block to 40,000 tokens, 1 to 32 splits) through a model with a sliding-window layer and a
+    full one compiles no variant the engine's warm-up did not, and the variants are the bounded set: both kinds
+    of layer share them; the same over an int8 cache. Planted: with every argument specialised again (no
+    do_not_specialize), the window (512, a multiple of 16, against -1) splits the warm-up's variants by layer,
+    and the steps compile new ones, so the count has teeth."""
+    for key in ("specialisations", "specialisations_int8"):  # over a bf16 cache and over an int8 one
+        found = reports["sm_90"][key]
+        assert found["after_run"] == found["after_warm_up"] == VARIANT_BOUND, (key, found)
+        assert found["launches"] > 100
     planted = reports["sm_90"]["specialisations_planted"]
     warm, run = planted["after_warm_up"], planted["after_run"]
     assert warm["_prefill_kernel"] == 2 * VARIANT_BOUND["_prefill_kernel"], planted

@@ -127,17 +127,10 @@ def kv_bytes_per_token(model: ModelDescription, dtype: torch.dtype, num_layers: 
     return 2 * layers * model.num_kv_heads * model.head_dim * torch.finfo(dtype).bits // 8
 
 
-def kv_cache_dtype(args: EngineArgs, target: EngineTarget, attention: BackendChoice | None = None) -> torch.dtype:
-    """The KV cache's dtype: the model's, or int8 (engine.kv_cache_dtype), which the CPU kernels and the torch
-    reference read; SettingError where the chosen kernels cannot (Triton's do not take it yet)."""
-    if args.kv_cache_dtype != "int8":
-        return target.dtype.dtype
-    if target.device.type == "cuda" and args.attention_backend != "torch" or (
-            attention is not None and attention.name == "triton"):
-        raise SettingError("kv_cache_dtype", "kv_cache_dtype int8 runs on the CPU kernels and the torch reference; "
-                                             "the Triton kernels do not read it yet: set attention_backend: torch "
-                                             "or kv_cache_dtype: auto on CUDA")
-    return torch.int8
+def kv_cache_dtype(args: EngineArgs, target: EngineTarget) -> torch.dtype:
+    """The KV cache's dtype: the model's, or int8 (engine.kv_cache_dtype), which every attention backend reads (the
+    C++ CPU kernels, the Triton kernels and the torch reference)."""
+    return torch.int8 if args.kv_cache_dtype == "int8" else target.dtype.dtype
 
 
 def kv_group_bytes(layout: KVLayout, model: ModelDescription, dtype: torch.dtype) -> tuple[int, LocalLayers | None]:
@@ -172,7 +165,7 @@ def plan_engine(args: EngineArgs, model: ModelDescription, memory: Callable[[], 
     SettingError for a setting that this model on this machine cannot honour (a budget under 2 blocks, ...)."""
     target = target or resolve_target(args.device, args.dtype, args.quantization)
     layout = kv_layout_of(model)
-    cache_dtype = kv_cache_dtype(args, target, attention)
+    cache_dtype = kv_cache_dtype(args, target)
     per_token, local = kv_group_bytes(layout, model, cache_dtype)
     budget = kv_cache_budget(args, target.device.type, memory)
     if budget is None:

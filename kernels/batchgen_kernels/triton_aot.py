@@ -144,8 +144,9 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 @dataclass(frozen=True)
 class Case:
     """One model shape and the launches the engine makes for it: store, decode (per split count), prefill (per
-    tile), the attention launches for a full layer and for a sliding-window one. `planted`: a deliberately broken
-    case, and why; the checker must report it."""
+    tile), the attention launches for a full layer and for a sliding-window one; `kv_int8`: over an int8 cache
+    (engine.kv_cache_dtype: int8) with its scales, `dtype` being the model's. `planted`: a deliberately broken case,
+    and why; the checker must report it."""
 
     dtype: str
     head_dim: int
@@ -154,6 +155,7 @@ class Case:
     block_size: int = 16
     decode_splits: tuple[int, ...] = (1, 4)
     prefill_tiles: tuple[tuple[int, int] | None, ...] = (None,)  # None: the engine's (triton_prefill.prefill_launch)
+    kv_int8: bool = False
     planted: str = ""
 
     @property
@@ -161,7 +163,7 @@ class Case:
         tiles = ",".join(f"{tile[0]}x{tile[1]}" if tile else "default" for tile in self.prefill_tiles)
         splits = ",".join(map(str, self.decode_splits))
         return (f"{self.dtype} D{self.head_dim} group {self.group} kv {self.num_kv_heads} block {self.block_size} "
-                f"splits {splits} tiles {tiles}")
+                f"splits {splits} tiles {tiles}{' kv int8' if self.kv_int8 else ''}")
 
 
 @dataclass
@@ -180,7 +182,8 @@ def engine_cases() -> list[Case]:
     query heads per KV head (Llama-3.2-1B, Llama-3-8B), bf16 (its default on CUDA). The kernel tests' shapes: head
     dim 80 (padded to 128) with groups of 3 in fp16 and fp32, block size 32, split counts 3 and 8, the small prefill
     tiles. Multi-head attention (group 1), the largest group, and the edges of triton_limits' head dims per width
-    (fp16 compiles as bf16 does: same width, same tiles)."""
+    (fp16 compiles as bf16 does: same width, same tiles). An int8 cache at the engine's common shapes, the kernel
+    tests' fp32 one and the widest bf16 head."""
     return [
         Case("bfloat16", 64), Case("bfloat16", 128),
         Case("float16", 80, group=3, block_size=32, decode_splits=(3, 8)),
@@ -188,6 +191,9 @@ def engine_cases() -> list[Case]:
         Case("bfloat16", 128, group=1, num_kv_heads=4),
         Case("bfloat16", 64, group=triton_limits.MAX_GROUP, num_kv_heads=1, decode_splits=(1, MAX_SPLITS)),
         *(Case(dtype, head_dim) for dtype, head_dim in edge_head_dims(("bfloat16", "float32"))),
+        Case("bfloat16", 64, kv_int8=True), Case("bfloat16", 128, kv_int8=True),
+        Case("float32", 80, group=3, kv_int8=True),
+        Case("bfloat16", edge_head_dims(("bfloat16",))[-1][1], kv_int8=True),
     ]
 
 
@@ -236,22 +242,25 @@ def case_calls(case: Case, tb) -> list[Callable[[], object]]:
     q = torch.empty(tokens, q_heads, d, dtype=dtype, device=meta)  # RoPE's output: fresh, contiguous
     k = torch.empty(tokens, kv_heads, d, dtype=dtype, device=meta)
     v = qkv[:, (q_heads + kv_heads) * d:].view(tokens, kv_heads, d)
-    cache = torch.empty(2, 2, blocks, case.block_size, kv_heads, d, dtype=dtype, device=meta)  # [layer, k/v, ...]
+    cache = torch.empty(2, 2, blocks, case.block_size, kv_heads, d, dtype=torch.int8 if case.kv_int8 else dtype,
+                        device=meta)  # [layer, k/v, ...]
     k_cache, v_cache = cache[1, 0], cache[1, 1]
+    scales = torch.empty(cache.shape[:-1], dtype=torch.float32, device=meta)  # an int8 cache's, laid out alike
+    kv = {"kv_scales": (scales[1, 0], scales[1, 1])} if case.kv_int8 else {}
     slots = torch.empty(tokens, dtype=torch.int64, device=meta)
     tables = torch.empty(seqs, 9, dtype=torch.int32, device=meta)
     seq_lens = torch.empty(seqs, dtype=torch.int32, device=meta)
     starts = torch.empty(seqs + 1, dtype=torch.int32, device=meta)
-    calls: list[Callable[[], object]] = [lambda: tb.store_kv(k, v, k_cache, v_cache, slots)]
+    calls: list[Callable[[], object]] = [lambda: tb.store_kv(k, v, k_cache, v_cache, slots, **kv)]
     for window in (None, 512):  # not specialised on: the windowed launches compile no variant of their own
         for n in case.decode_splits:
             calls.append(lambda n=n, w=window: tb.paged_decode(q[:2], k_cache, v_cache, tables[:2], seq_lens[:2], 4096,
-                                                               0.1, num_splits=n, window=w))
+                                                               0.1, num_splits=n, window=w, **kv))
         for tile in case.prefill_tiles:
             m, n = tile or (None, None)
             calls.append(lambda m=m, n=n, w=window: tb.paged_prefill(
                 q, k_cache, v_cache, starts, seq_lens, tables, first_seq=2, num_seqs=2, max_query_len=5, scale=0.1,
-                block_m=m, block_n=n, window=w))
+                block_m=m, block_n=n, window=w, **kv))
     return calls
 
 

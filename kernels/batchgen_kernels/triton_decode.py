@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from .metadata import kernel_window
-from .triton_common import LOG2E, dot, dot_needs_fp32, load_paged, online_softmax_update, paged_slots
+from .reference import KVScales
+from .triton_common import (LOG2E, dot, dot_needs_fp32, kv_scale_args, load_kv_tile, online_softmax_update,
+                            paged_slots, unpipelined_for_fp32)
 
 BLOCK_N = 64  # context tokens per inner-loop tile
 MIN_TOKENS_PER_SPLIT = 256  # a whole number of BLOCK_N tiles
@@ -32,15 +34,16 @@ MAX_SPLITS = 32
 # would compile a new variant in the middle of a run. See triton_aot.py, which counts the variants a run needs.
 # `window` is fixed per layer, but not specialised either: one variant serves a model's windowed and full layers.
 @triton.jit(do_not_specialize=["stride_bt", "window"])
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
                          out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
                          scale_log2, window,
                          stride_qt, stride_qh, stride_ot, stride_oh,
                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                         stride_sb, stride_ss,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
-                         SPLIT: tl.constexpr, WIDEN_DOT: tl.constexpr):
+                         SPLIT: tl.constexpr, WIDEN_DOT: tl.constexpr, KV_INT8: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -60,7 +63,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if not KV_INT8:  # an int8 cache's tiles are converted to q's dtype instead
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores, log2 domain
     l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
@@ -70,12 +75,15 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         pos = tile + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         block, in_block = paged_slots(table, pos, pos_ok, BLOCK_SIZE)
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = load_paged(k_cache_ptr, block, in_block, kv_head, stride_kb, stride_ks, stride_kh, dims, kv_mask)
+        k, k_scale = load_kv_tile(k_cache_ptr, k_scale_ptr, block, in_block, kv_head, stride_kb, stride_ks,
+                                  stride_kh, stride_sb, stride_ss, dims, pos_ok, dim_ok, q, KV_INT8)
         scores = dot(q, tl.trans(k), WIDEN_DOT) * scale_log2
+        if KV_INT8:
+            scores = scores * k_scale[None, :]
         scores = tl.where(pos_ok[None, :], scores, float("-inf"))
-        v = load_paged(v_cache_ptr, block, in_block, kv_head, stride_vb, stride_vs, stride_vh, dims, kv_mask)
-        m, l, acc = online_softmax_update(scores, m, l, acc, v, WIDEN_DOT)
+        v, v_scale = load_kv_tile(v_cache_ptr, v_scale_ptr, block, in_block, kv_head, stride_vb, stride_vs,
+                                  stride_vh, stride_sb, stride_ss, dims, pos_ok, dim_ok, q, KV_INT8)
+        m, l, acc = online_softmax_update(scores, m, l, acc, v, v_scale, WIDEN_DOT, KV_INT8)
 
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if SPLIT:
@@ -146,9 +154,10 @@ def split_size(seq_len: int, num_splits: int) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
-                 num_splits: int | None = None, window: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, window: int | None = None,
+                 kv_scales: KVScales | None = None) -> torch.Tensor:
     """One query token per sequence ([B, Hq, D]) against its paged context of seq_lens[b] tokens (its last `window`
-    of them under a sliding window) → [B, Hq, D].
+    of them under a sliding window) → [B, Hq, D]. An int8 cache comes with its `kv_scales`.
 
     The grid comes from B, max_seq_len and the window alone (no device reads), so a CUDA graph captured with a large
     max_seq_len serves any shorter contexts; each sequence's cut into splits follows its real length.
@@ -162,7 +171,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         num_splits = choose_num_splits(batch, k_cache.shape[2], max_seq_len, num_sms(q.device), window)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    partials = decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, window)
+    partials = decode_partials(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, window, kv_scales)
     if partials is not None:
         part_max, part_sum, part_acc = partials
         head_dim_pad = triton.next_power_of_2(head_dim)
@@ -175,7 +184,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int,
-                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                    window: int | None = None,
+                    kv_scales: KVScales | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The split kernel's launch. With one split it writes the output itself and returns None; with several it
     returns each (sequence, query head, split)'s running max, sum ([B, Hq, splits]) and output ([B, Hq, splits, D])
     for the reduction (an empty split has max -inf)."""
@@ -189,13 +199,16 @@ def decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_acc = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     else:
         part_max = part_sum = part_acc = out  # unused
+    k_scale, v_scale, stride_sb, stride_ss, kv_int8 = kv_scale_args(k_cache, kv_scales)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_max, part_sum, part_acc,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out, part_max, part_sum, part_acc,
         scale * LOG2E, kernel_window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), stride_sb, stride_ss,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows at least
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        MIN_SPLIT_TILES=MIN_TOKENS_PER_SPLIT // BLOCK_N, SPLIT=split, WIDEN_DOT=dot_needs_fp32(k_cache.dtype))
+        MIN_SPLIT_TILES=MIN_TOKENS_PER_SPLIT // BLOCK_N, SPLIT=split,
+        WIDEN_DOT=dot_needs_fp32(q.dtype if kv_int8 else k_cache.dtype), KV_INT8=kv_int8,
+        **unpipelined_for_fp32(kv_int8, q.dtype))
     return (part_max, part_sum, part_acc) if split else None

@@ -14,20 +14,24 @@ import triton
 import triton.language as tl
 
 from .metadata import kernel_window
-from .triton_common import LOG2E, dot, dot_needs_fp32, load_paged, online_softmax_update, paged_slots
+from .reference import KVScales
+from .triton_common import (LOG2E, dot, dot_needs_fp32, kv_scale_args, load_kv_tile, online_softmax_update,
+                            paged_slots, unpipelined_for_fp32)
 
 
 # first_seq (the step's number of decodes) and the block table's width change from step to step: not specialised on,
 # so that a new value compiles no new variant mid-run (triton_aot.py counts the variants a run needs); nor is the
 # window, so that one variant serves windowed and full layers.
 @triton.jit(do_not_specialize=["first_seq", "stride_bt", "window"])
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, query_start_loc_ptr,
+                    seq_lens_ptr, block_tables_ptr,
                     first_seq, scale_log2, window,
                     stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                    stride_sb, stride_ss,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    WIDEN_DOT: tl.constexpr):
+                    WIDEN_DOT: tl.constexpr, KV_INT8: tl.constexpr):
     q_tile = tl.program_id(0)
     seq = first_seq + tl.program_id(1)
     head = tl.program_id(2)
@@ -46,7 +50,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
     dim_ok = dims < HEAD_DIM
     q_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=q_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+                mask=q_mask, other=0.0)
+    if not KV_INT8:  # an int8 cache's tiles are converted to q's dtype instead
+        q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = prefix_len + rows
     window_start = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)  # each row's first visible key
 
@@ -62,13 +68,16 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
         pos = tile + tl.arange(0, BLOCK_N)
         pos_ok = pos < key_end
         block, in_block = paged_slots(table, pos, pos_ok, BLOCK_SIZE)
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = load_paged(k_cache_ptr, block, in_block, kv_head, stride_kb, stride_ks, stride_kh, dims, kv_mask)
+        k, k_scale = load_kv_tile(k_cache_ptr, k_scale_ptr, block, in_block, kv_head, stride_kb, stride_ks,
+                                  stride_kh, stride_sb, stride_ss, dims, pos_ok, dim_ok, q, KV_INT8)
         scores = dot(q, tl.trans(k), WIDEN_DOT) * scale_log2
+        if KV_INT8:
+            scores = scores * k_scale[None, :]
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= window_start[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        v = load_paged(v_cache_ptr, block, in_block, kv_head, stride_vb, stride_vs, stride_vh, dims, kv_mask)
-        m, l, acc = online_softmax_update(scores, m, l, acc, v, WIDEN_DOT)
+        v, v_scale = load_kv_tile(v_cache_ptr, v_scale_ptr, block, in_block, kv_head, stride_vb, stride_vs,
+                                  stride_vh, stride_sb, stride_ss, dims, pos_ok, dim_ok, q, KV_INT8)
+        m, l, acc = online_softmax_update(scores, m, l, acc, v, v_scale, WIDEN_DOT, KV_INT8)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0: a row past q_len (not stored) whose window is past the keys
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -78,9 +87,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_pt
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, first_seq: int, num_seqs: int,
                   max_query_len: int, scale: float, out: torch.Tensor | None = None,
-                  block_m: int | None = None, block_n: int | None = None, window: int | None = None) -> torch.Tensor:
+                  block_m: int | None = None, block_n: int | None = None, window: int | None = None,
+                  kv_scales: KVScales | None = None) -> torch.Tensor:
     """Attention for the query rows of sequences first_seq .. first_seq + num_seqs - 1 of a varlen batch, each row
-    seeing its last `window` keys under a sliding window.
+    seeing its last `window` keys under a sliding window. An int8 cache comes with its `kv_scales`.
 
     q: [T, Hq, D] holds the whole batch; only those sequences' rows of `out` are written. The tiles default to
     prefill_launch's; tests pass others.
@@ -88,21 +98,24 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     total_tokens, q_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     head_dim_pad = triton.next_power_of_2(head_dim)
-    default_m, default_n, num_warps = prefill_launch(head_dim_pad, k_cache.dtype)
+    k_scale, v_scale, stride_sb, stride_ss, kv_int8 = kv_scale_args(k_cache, kv_scales)
+    tile_dtype = q.dtype if kv_int8 else k_cache.dtype  # the dtype the dots multiply in
+    default_m, default_n, num_warps = prefill_launch(head_dim_pad, tile_dtype)
     block_m, block_n = block_m or default_m, block_n or default_n
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0 or total_tokens == 0:
         return out
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, q_heads)](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq, scale * LOG2E,
+        q, k_cache, v_cache, k_scale, v_scale, out, query_start_loc, seq_lens, block_tables, first_seq, scale * LOG2E,
         kernel_window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), stride_sb, stride_ss,
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        WIDEN_DOT=dot_needs_fp32(k_cache.dtype), num_warps=num_warps)
+        WIDEN_DOT=dot_needs_fp32(tile_dtype), KV_INT8=kv_int8, num_warps=num_warps,
+        **unpipelined_for_fp32(kv_int8, q.dtype))
     return out
 
 

@@ -41,6 +41,9 @@ def _detail(record: dict) -> str:
         text += f" ({ours / theirs:.1f}x)" if ours and theirs else ""
         decode = [f"{size}: {d['median_s'] * 1e3:.2f} ms ({d['ratio_to_floor']:.2f}x floor)"
                   for size, d in (record.get("decode") or {}).items() if "median_s" in d]
+        kv = record.get("kv_int8") or {}
+        if "int8_over_bf16" in kv:
+            decode.append(f"int8 KV {kv['int8_over_bf16']:.2f}x bf16's time ({'agrees' if kv['ok'] else 'DIFFERS'})")
         return text + ("; decode " + ", ".join(decode) if decode else "")
     return ""
 

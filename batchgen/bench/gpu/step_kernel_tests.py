@@ -21,6 +21,7 @@ from .pytest_record import RECORD_VARIABLE
 
 GPU_TESTS = (  # in the checkout's test suite, what runs on the device: every kernel test, then each that needs CUDA
     "tests/test_triton_kernels.py",
+    "tests/test_triton_int8.py",
     "tests/test_cuda_path.py::test_captured_decode_steps_match_the_unpadded_ones",
     "tests/test_cuda_path.py::test_engine_on_cuda_with_graphs_matches_eager_and_transformers",
     "tests/test_sampler.py::test_cuda_draws_the_same_bits_as_cpu_and_stays_batch_independent",
@@ -28,7 +29,7 @@ GPU_TESTS = (  # in the checkout's test suite, what runs on the device: every ke
 # pytest -k per mode: --quick keeps the kernel tests with bf16 cases and the CUDA ones; a dry run (on the CPU, under
 # the interpreter) one quick kernel test, the CUDA-only ones being collected (their names checked) and skipped.
 KEYWORDS = {"full": None,
-            "quick": "split_decode or mixed_step or model_on_triton or cuda_path or cuda_draws",
+            "quick": "split_decode or mixed_step or int8 or model_on_triton or cuda_path or cuda_draws",
             "dry-run": "negative_slots or model_on_triton or cuda_path or cuda_draws"}
 
 

@@ -2,7 +2,8 @@
 offline workload (random prompts, ignore_eos) against transformers' `generate` with static batching (rows sorted by
 length, left-padded) on a random subset of it; and whole decode steps at a few batch sizes against their floor:
 max(bytes read per step (weights + the batch's KV) / copy bandwidth, FLOPs per step / matmul rate). The speed bars
-(issue 5's: 10x transformers, decode within 1.5x of its floor) are reported in `targets`, not gated."""
+(issue 5's: 10x transformers, decode within 1.5x of its floor) are reported in `targets`, not gated. And the int8
+KV cache's kernels against the torch reference, and their decode time against the bf16 cache's (kv_int8.py)."""
 from __future__ import annotations
 
 import random
@@ -11,6 +12,7 @@ import torch
 
 from .batchgen_side import batchgen_throughput, decode_step_times, open_engine
 from .device import copy_bandwidth, free_device_memory, matmul_rate
+from .kv_int8 import kv_int8_case
 from .shapes import MODEL_CONFIGS, ModelShape, describe_model
 from .transformers_side import bf16_model_and_checkpoint, checkpoint_dir, hf_static_throughput
 from ..workloads import random_token_rows
@@ -47,6 +49,8 @@ def run_throughput(args, record) -> bool:
     hf_subset = random.Random(args.seed + 1).sample(workload, min(args.hf_requests, len(workload)))
     rates = record.phase("rates", lambda: measure_rates(device))
     free_device_memory()
+    kv_int8 = record.phase("kv_int8", lambda: kv_int8_case(shape, device, args.attention_backend, args.seed))
+    free_device_memory()
 
     # transformers first, then batchgen: never both models on the device at once.
     hf = record.phase("hf_model", lambda: bf16_model_and_checkpoint(config, checkpoint_dir(args), device, args.seed),
@@ -71,4 +75,5 @@ def run_throughput(args, record) -> bool:
         engine = None
         free_device_memory()
     record["targets"] = targets(record)
-    return True  # figures, not verdicts: the step fails only where a phase raised
+    # Figures, not verdicts (the step fails where a phase raised), but for the int8 kernels' agreement.
+    return kv_int8 is None or kv_int8["ok"]

@@ -30,8 +30,8 @@ STEPS = (
          {"full": 170, "quick": 80, "dry-run": 90}),
     Step(2, "greedy", run_greedy, ("model", "engine_load", "greedy_bf16"),
          {"full": 110, "quick": 55, "dry-run": 90}),
-    Step(3, "throughput", run_throughput, ("model", "rates", "hf_static", "engine_load", "batchgen", "decode",
-                                           "targets"),
+    Step(3, "throughput", run_throughput, ("model", "rates", "kv_int8", "hf_static", "engine_load", "batchgen",
+                                           "decode", "targets"),
          {"full": 180, "quick": 80, "dry-run": 90}),
 )
 assert tuple(step.name for step in STEPS) == STEP_NAMES
