@@ -93,6 +93,32 @@ def calibrate(root: Path, model: str, variant: str, rows: int, gate_rows: int) -
     return found
 
 
+def ranges_only(root: Path, model: str, variant: str, rows: int, gate_rows: int) -> dict:
+    """As calibrate, without the per-layer sensitivities (their passes are most of a calibration's time): the scales
+    from one unquantized pass over the calibration rows, quantization.DEFAULT_KEEP kept (what the 0.01 threshold
+    kept on the default model with dynamic activations)."""
+    from batchgen.engine import Engine, EngineArgs
+    from batchgen.engine.calibration import measure, quantizable_layers
+    from batchgen.job.calibration import calibration_rows, read_rows
+    from batchgen.job.config import load_job
+    from batchgen.job.input.files import inspect_input
+    from batchgen.models.quantization import DEFAULT_KEEP, is_kept
+
+    job = job_file(root, f"ranges-{variant}", model, {}, False)
+    config = load_job(job)
+    inputs = inspect_input(config)
+    engine = Engine(EngineArgs(model=model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory="512MiB",
+                               max_num_seqs=rows))
+    built = read_rows(config, inputs, engine.tokenizer, engine.max_model_len, calibration_rows(inputs.total_rows, rows))
+    layers = [name for name in quantizable_layers(engine.model) if not is_kept(name, DEFAULT_KEEP)]
+    scales = measure(engine, [ids for _, ids in built], layers, variant, sensitivities=False).scales
+    del engine
+    found = {"keep": list(DEFAULT_KEEP), "scales": scales or None}
+    found.update(gate(job_file(root, f"g-{variant}", model, fixed(found), False), gate_rows))
+    found["choice"] = gate(job_file(root, f"c-{variant}", model, fixed(found), True), gate_rows)
+    return found
+
+
 def fixed(found: dict) -> dict:
     """The engine settings of a calibrated variant without its calibration: its layers kept and scales."""
     return {"quantization": "int8", "quantization_keep": found["keep"],
@@ -105,6 +131,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="calibration rows")
     parser.add_argument("--gate-rows", type=int, default=40)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="the activations to calibrate and time")
+    parser.add_argument("--ranges-only", action="store_true", help="scales without sensitivities, o_proj and the "
+                        "LM head kept (ranges_only): minutes instead of a calibration per variant")
+    parser.add_argument("--static-quantile", type=float, help="engine/calibration.STATIC_QUANTILE for --ranges-only "
+                        "(the quantile of the tokens' largest |x| a static scale is made from; default: 1.0, the max)")
     parser.add_argument("--decode", type=int, default=0, help="time a decode-heavy variant of the job instead: "
                         "this many output tokens per row, end of sequence ignored (quality is not gated)")
     parser.add_argument("--archive", default="docs/performance-archive.jsonl")
@@ -113,6 +143,9 @@ def main() -> None:
                         "skipped (the gates need no exclusive CPU: run them under a shared lock, the timing under an "
                         "exclusive one)")
     args = parser.parse_args()
+    if args.static_quantile is not None:
+        from batchgen.engine import calibration
+        calibration.STATIC_QUANTILE = args.static_quantile
     model = str(reference_model_dir(args.model)) if args.model == "default" else str(Path(args.model).expanduser())
     root = Path(tempfile.mkdtemp(prefix="w8a8-"))
     int8 = {"quantization": "int8"}
@@ -120,10 +153,13 @@ def main() -> None:
     if args.quality_json and args.quality_json.exists():
         quality = json.loads(args.quality_json.read_text())
     else:
-        quality = {"int8": gate(job_file(root, "g-int8", model, int8, False), args.gate_rows)}
-        quality["int8"]["choice"] = gate(job_file(root, "c-int8", model, int8, True), args.gate_rows)
+        quality = {}
+        if args.static_quantile is None:  # a quantile's run measures static only
+            quality["int8"] = gate(job_file(root, "g-int8", model, int8, False), args.gate_rows)
+            quality["int8"]["choice"] = gate(job_file(root, "c-int8", model, int8, True), args.gate_rows)
         for variant in variants:
-            quality[f"int8-{variant}"] = calibrate(root, model, variant, args.rows, args.gate_rows)
+            quality[f"int8-{variant}"] = (ranges_only if args.ranges_only else calibrate)(
+                root, model, variant, args.rows, args.gate_rows)
         if args.quality_json:
             args.quality_json.write_text(json.dumps(quality))
             print(json.dumps({name: {k: v for k, v in q.items() if k != "scales"} for name, q in quality.items()}))

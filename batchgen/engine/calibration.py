@@ -60,9 +60,9 @@ def quantizable_layers(model: nn.Module) -> list[str]:
 
 
 def measure(engine, prompts: list[list[int]], layers: list[str] | None = None, activations: str = "dynamic",
-            alpha: float = DEFAULT_SMOOTH_ALPHA) -> Measurement:
-    """Ranges, scales (activations static or smooth) and sensitivities of `layers` (default: every quantizable one)
-    of `engine`'s unquantized model."""
+            alpha: float = DEFAULT_SMOOTH_ALPHA, sensitivities: bool = True) -> Measurement:
+    """Ranges, scales (activations static or smooth) and, unless told not to, sensitivities of `layers` (default:
+    every quantizable one) of `engine`'s unquantized model."""
     model = engine.model
     layers = quantizable_layers(model) if layers is None else layers
     result = Measurement()
@@ -79,7 +79,7 @@ def measure(engine, prompts: list[list[int]], layers: list[str] | None = None, a
     result.scales = activation_scales(model, result, activations, alpha)
     reference_logp = F.log_softmax(reference, dim=-1)
     greedy = reference.argmax(dim=-1)
-    for i, name in enumerate(layers):
+    for i, name in enumerate(layers if sensitivities else []):
         original = model.get_submodule(name)
         _swap(model, name, _w8a8(original, result.scales.get(name)))
         try:

@@ -15,7 +15,9 @@ CALIBRATION_KEYS = ("rows", "threshold", "activations", "alpha")  # quantization
 # per token (dynamic), one per layer from the calibration's ranges (static), or SmoothQuant's per-channel smoothing
 # with alpha, then one scale per token (smooth)
 CALIBRATION_ACTIVATIONS = ("dynamic", "static", "smooth")
-DEFAULT_CALIBRATION_ACTIVATIONS = "dynamic"
+# smooth kept 39/40 of the labeling job's `choice` labels against dynamic's 37 and static's 33, as fast as dynamic
+# (docs/performance.md, "Issue 43: static and smoothed activation scales")
+DEFAULT_CALIBRATION_ACTIVATIONS = "smooth"
 DEFAULT_SMOOTH_ALPHA = 0.5
 # The settings that trade quality for speed, each with its "off" value: `batchgen plan --quality N` compares the job's
 # settings with these off (job/plan/quality.py). Only those EngineArgs has are reset.
@@ -70,7 +72,7 @@ class EngineArgs:
     quantization: str | None = None  # None | int8 | int8-weight-only: int8 weights for every decoder Linear and the
     # LM head; int8 quantizes the activations too on the CPU (W8A8), int8-weight-only keeps them (needs bf16/fp16)
     quantization_calibration: dict[str, int | float | str] | None = None  # with int8: {rows: N, threshold: t,
-    # activations: dynamic | static | smooth, alpha: SmoothQuant's a (smooth; default 0.5)}: N of the
+    # activations: smooth (default) | dynamic | static, alpha: SmoothQuant's a (default 0.5)}: N of the
     # job's rows (evenly spaced) measure each layer's sensitivity, and the job keeps in the model's dtype o_proj, the
     # LM head and every layer above t (job/calibration.py); it sets quantization_keep from the measurement
     quantization_scales: dict[str, float | tuple[float, ...]] | None = None  # with int8, set from the calibration's record

@@ -3,12 +3,13 @@
 Each weight matrix [out, in] becomes int8 with one fp32 scale per output channel (symmetric: w ≈ q * scale,
 |q| <= 127). How the matmul runs depends on where:
 
-- CPU, the default: W8A8 dynamic. Each token's activations are quantized on the fly to int8 with one scale per
-  token, `torch._int_mm` multiplies int8 x int8 into int32 (oneDNN, VNNI where the CPU has it) and the two scales
-  rescale the result in fp32. A whole engine run (32 rows x 64 tokens, dev/microbench_int8.py) on a 2-core
-  AVX512-VNNI EPYC: 1.15x fp32, but slower than bf16 (1.28x vs 1.55x fp32) now that plain Linears run on oneDNN's
-  packed kernels: int8 saves memory here, not time. It costs quality: perplexity +4.5% (dev/quant_quality.py),
-  mostly from the int8 inputs of qkv, gate_up and the LM head.
+- CPU, the default: W8A8. Each token's activations are quantized to int8 (one scale per token, or with a calibration
+  one static scale per layer, optionally after SmoothQuant's smoothing) and oneDNN's quantized linear multiplies them
+  by the prepacked int8 weight, the scales applied in the kernel (int8_activations.py; torch._int_mm where oneDNN
+  lacks it). On the 2-core AMX Xeon: 0.45-0.83x bf16's matmul time at the 1B shape with a static scale, where
+  _int_mm with a separate rescale took 1.1-2.0x (docs/performance.md, "Issue 43: static and smoothed activation
+  scales"). It costs quality: perplexity +4.5% (dev/quant_quality.py), mostly from the int8 inputs of qkv, gate_up
+  and the LM head: the calibration (engine/calibration.py) keeps the worst in the dtype.
 - CPU with bf16/fp16 activations and `weight_only` (`quantization: int8-weight-only`): `aten._weight_int8pack_mm`
   (the activations stay in the model's dtype) up to WEIGHT_ONLY_MAX_ROWS rows. It reads half the bytes of bf16
   weights, so it is fastest where a step is bound by reading the weights (few rows), but its time grows with the
