@@ -147,3 +147,17 @@ def test_a_static_job_records_its_choice_resumes_with_it_and_the_gate_reads_it_b
                            "2", "--no-probe"], capture_output=True, text=True, timeout=600)
     assert gate.returncode == 0 and "calibration (measured now" in gate.stdout, gate.stdout
     assert not (tmp_path / "elsewhere" / "_calibration.json").exists()
+
+
+def test_scales_on_int8_weights_already_quantized_requantize_them(tiny_llama_dir, calibrated):
+    """A model stored in int8 (a converted GGUF) gets its scales after loading (quantization.apply_to_stored): a
+    static scale set, smoothing factors multiplied into the dequantized weight and requantized, then folded."""
+    from batchgen.models.quantization import apply_to_stored
+
+    reference, found = calibrated
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="16MiB",
+                               enable_prefix_caching=False, quantization="int8", quantization_keep=DEFAULT_KEEP))
+    apply_to_stored(engine.model, found["smooth"].scales)
+    assert fold_smoothing(engine.model) == 3 * 2
+    error = float((next_logits(engine) - reference).abs().max() / reference.abs().max())
+    assert error < 0.05, error
