@@ -3,9 +3,10 @@
 The GEMM is oneDNN's quantized linear (`torch.ops.onednn.qlinear_pointwise`, what x86 inductor lowers quantized
 Linears to): the int8 weight reordered once into the kernel's blocked layout (`qlinear_prepack`, at the layer's first
 CPU call), int8 activations, the weight's per-channel scales and the activations' scale applied inside the kernel,
-bf16/fp32 out. On the 2-core AMX Xeon it multiplies the 1B shape's matrices in 0.45-0.83x bf16's time (oneDNN's AMX
-bf16, PackedLinear) where `torch._int_mm` plus a separate fp32 rescale took 1.1-2.0x (docs/performance.md, "Issue 43:
-static and smoothed activation scales"; dev/microbench_int8.py --shape 1b).
+bf16/fp32 out. On the 2-core AMX Xeon it multiplies the 1B shape's matrices in 0.33-0.91x bf16's time with a static
+scale and 0.38-1.15x with per-token ones (against oneDNN's AMX bf16, PackedLinear, at 1-512 rows), where
+`torch._int_mm` plus a separate fp32 rescale took 0.54-1.89x (docs/performance.md, "Issue 43: static and smoothed
+activation scales"; dev/microbench_int8.py --gemm-paths).
 
 How the activations are quantized (Int8Linear's `activations`, `input_scale`, `smooth`; calibration.py measures):
 - dynamic_int8: one scale per token, its largest |x| / 127; the kernel runs with scale 1 and each output row is
