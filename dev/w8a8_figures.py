@@ -60,7 +60,7 @@ def gate(job: Path, rows: int) -> dict:
             found["choice_agreement"] = int(m[1]) / int(m[2])
         if m := re.search(r"log-likelihood difference mean ([\d.]+), max ([\d.]+)", line):
             found["loglik_mean"], found["loglik_max"] = float(m[1]), float(m[2])
-        if m := re.search(r"calibration \((.*?)\)", line):
+        if m := re.search(r"quality: calibration (read from the output's _calibration.json|measured now)", line):
             found["calibration_source"] = m[1]
     return found
 

@@ -49,9 +49,9 @@ def quality_gate(job: PreparedJob, rows: int) -> list[str]:
     measured = _run(job, calibrated_args(scratch, base), chosen)
     lines = agreement_lines(reference, measured, on)
     if scratch.calibration is not None:
-        source = "the output's _calibration.json (this job's, as a run reads it)" \
-            if scratch.calibration_source == "read" else "measured now (the output holds none for this job)"
-        lines.append(f"quality: calibration ({source}): {scratch.calibration.get('activations', 'dynamic')} "
+        source = "read from the output's _calibration.json, this job's as a run reads it" \
+            if scratch.calibration_source == "read" else "measured now, the output holds none for this job"
+        lines.append(f"quality: calibration {source}: {scratch.calibration.get('activations', 'dynamic')} "
                      f"activations, kept {', '.join(scratch.calibration['keep'])} in the model's dtype")
     lines.append(f"quality: {len(chosen)} rows (evenly spaced), both runs {time.monotonic() - started:.1f} s")
     return lines
