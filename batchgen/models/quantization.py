@@ -7,7 +7,7 @@ Each weight matrix [out, in] becomes int8 with one fp32 scale per output channel
   one static scale per layer, optionally after SmoothQuant's smoothing) and oneDNN's quantized linear multiplies them
   by the prepacked int8 weight, the scales applied in the kernel (int8_activations.py; torch._int_mm where oneDNN
   lacks it). On the 2-core AMX Xeon: 0.33-0.91x bf16's matmul time at the 1B shape with a static scale, where
-  _int_mm with a separate rescale took 0.54-1.89x; a 1B job ran at 1.75x bf16 (docs/performance.md, "Issue 43:
+  _int_mm with a separate rescale took 0.54-1.89x; the 1B shape's labeling rows ran at 1.25x bf16 (docs/performance.md, "Issue 43:
   static and smoothed activation scales"). It costs quality: perplexity +4.5% (dev/quant_quality.py), mostly from the int8 inputs of qkv, gate_up
   and the LM head: the calibration (engine/calibration.py) keeps the worst in the dtype.
 - CPU with bf16/fp16 activations and `weight_only` (`quantization: int8-weight-only`): `aten._weight_int8pack_mm`
