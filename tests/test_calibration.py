@@ -119,6 +119,11 @@ def test_the_plan_says_whether_calibrated_w8a8_pays_on_this_cpu_kind(tmp_path):
     archive = tmp_path / "archive.jsonl"
     archive.write_text(json.dumps(record) + "\n")
     lines = calibrated_w8a8_advice(archive, device, "int8")
-    assert "0.56x bf16's speed, 85% of greedy labels" in lines[1] and "does not pay" in lines[1]
+    assert "calibrated: 0.56x bf16's speed, 85% of greedy labels" in lines[3] and "does not pay" in lines[3]
+    newer = {**record, "kind": "w8a8-activations", "date": "2026-12-05T17:00",
+             "comparisons": {"int8-static": {"speedup": 1.31, "identical_share": 0.9}}}
+    archive.write_text(json.dumps(record) + "\n" + json.dumps(newer) + "\n")
+    lines = calibrated_w8a8_advice(archive, device, "int8")  # the kind comparing activations wins, older or not
+    assert len(lines) == 3 and "static: 1.31x bf16's speed, 90% of greedy labels kept: pays" in lines[2]
     assert calibrated_w8a8_advice(archive, device, None) == []
     assert calibrated_w8a8_advice(archive, {**device, "cores": 8}, "int8") == []  # another CPU kind: nothing

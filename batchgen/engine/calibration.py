@@ -2,11 +2,13 @@
 dtype, measured on prompts the caller chooses (job/calibration.py: the job's own rows).
 
 One engine in the model's dtype (no quantization, no prefix cache: every pass computes every token) runs the prompts
-once with a hook on each Linear that records its activation range (the largest |x| it saw, and the mean of each
-token's largest |x|), and on the LM head that keeps the next-token logits of each prompt. Then, one Linear at a time,
+once with a hook on each Linear that records its activation range (the largest |x| it saw, the mean of each token's
+largest |x|, each input channel's largest |x|), and on the LM head that keeps the next-token logits of each prompt. Then, one Linear at a time,
 that layer alone is swapped for its W8A8 Int8Linear and the prompts run again: the layer's sensitivity is the mean
 KL divergence (nats) of the next-token distributions from the unquantized ones, and `flips` the share of prompts whose
-greedy next token changed. choose_keep keeps quantization.DEFAULT_KEEP and every layer above the threshold.
+greedy next token changed. With activations static or smooth (EngineArgs.quantization_calibration), each layer's
+scale or smoothing factors come from the ranges first (activation_scales) and the swapped layer uses them: the
+sensitivities are those of the variant the run will use. choose_keep keeps quantization.DEFAULT_KEEP and every layer above the threshold.
 
 The engine is driven through its public API (add_request, step); the hooks and the swaps are on its model."""
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.int8_activations import smoothing_factors
 from ..models.quantization import DEFAULT_KEEP, Int8Linear, is_kept, is_quantized
-from .engine_args import EngineArgs
+from .engine_args import DEFAULT_SMOOTH_ALPHA, EngineArgs
 from .request import Request, SamplingParams
 
 logger = logging.getLogger("batchgen")
@@ -30,6 +33,9 @@ logger = logging.getLogger("batchgen")
 # On the default model (SmolLM2-135M, bf16) over the labeling workload's rows: docs/performance.md, "Issue 43".
 DEFAULT_THRESHOLD = 0.01
 IDENTITY_ROWS = 1024  # rows of the identity a float Linear multiplies at once to read its weight back
+# A static scale is this quantile of the calibration tokens' largest |x| over 127 (1.0: the largest |x| seen).
+# Measured on the default model's labeling job: docs/performance.md, "Issue 43: static and smoothed activation scales".
+STATIC_QUANTILE = 1.0
 
 
 @dataclass
@@ -37,6 +43,9 @@ class Measurement:
     sensitivity: dict[str, float] = field(default_factory=dict)  # layer -> mean KL (nats) with it alone in int8
     flips: dict[str, float] = field(default_factory=dict)  # layer -> share of prompts whose greedy token changed
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # layer -> (max |x|, mean per-token max)
+    channel_max: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> [in] each input channel's max |x|
+    token_max: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> [tokens] each token's max |x|
+    scales: dict[str, float | list[float]] = field(default_factory=dict)  # EngineArgs.quantization_scales
 
 
 def calibration_args(args: EngineArgs, prompts: int) -> EngineArgs:
@@ -50,24 +59,29 @@ def quantizable_layers(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_modules() if name and is_quantized(f"{name}.weight")]
 
 
-def measure(engine, prompts: list[list[int]], layers: list[str] | None = None) -> Measurement:
-    """Ranges and sensitivities of `layers` (default: every quantizable one) of `engine`'s unquantized model."""
+def measure(engine, prompts: list[list[int]], layers: list[str] | None = None, activations: str = "dynamic",
+            alpha: float = DEFAULT_SMOOTH_ALPHA, sensitivities: bool = True) -> Measurement:
+    """Ranges, scales (activations static or smooth) and, unless told not to, sensitivities of `layers` (default:
+    every quantizable one) of `engine`'s unquantized model."""
     model = engine.model
     layers = quantizable_layers(model) if layers is None else layers
     result = Measurement()
-    sums: dict[str, tuple[float, float, int]] = {}
-    hooks = [model.get_submodule(name).register_forward_pre_hook(_range_hook(sums, name)) for name in layers]
+    seen: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(_range_hook(seen, name)) for name in layers]
     try:
         reference = _next_token_logits(engine, prompts)
     finally:
         for hook in hooks:
             hook.remove()
-    result.ranges = {name: (top, total / max(count, 1)) for name, (top, total, count) in sums.items()}
+    for name, (channels, tokens) in seen.items():
+        result.channel_max[name], result.token_max[name] = channels, torch.cat(tokens)
+        result.ranges[name] = (float(channels.max()), float(result.token_max[name].mean()))
+    result.scales = activation_scales(model, result, activations, alpha)
     reference_logp = F.log_softmax(reference, dim=-1)
     greedy = reference.argmax(dim=-1)
-    for i, name in enumerate(layers):
+    for i, name in enumerate(layers if sensitivities else []):
         original = model.get_submodule(name)
-        _swap(model, name, _w8a8(original))
+        _swap(model, name, _w8a8(original, result.scales.get(name)))
         try:
             logits = _next_token_logits(engine, prompts)
         finally:
@@ -79,6 +93,24 @@ def measure(engine, prompts: list[list[int]], layers: list[str] | None = None) -
         logger.info("calibration: %d/%d %s KL %.2e", i + 1, len(layers), name, result.sensitivity[name])
     gc.collect()
     return result
+
+
+def activation_scales(model: nn.Module, found: Measurement, activations: str, alpha: float
+                      ) -> dict[str, float | list[float]]:
+    """EngineArgs.quantization_scales for the measured layers: static, each layer's input scale (STATIC_QUANTILE of
+    its tokens' largest |x|, / 127); smooth, each layer's SmoothQuant factors (int8_activations.smoothing_factors);
+    dynamic, none. Rounded to 5 significant digits, as _calibration.json holds them."""
+    if activations == "static":
+        return {name: _round(float(torch.quantile(tokens, STATIC_QUANTILE)) / 127.0)
+                for name, tokens in found.token_max.items()}
+    if activations == "smooth":
+        return {name: [_round(v) for v in smoothing_factors(channels, _weight(model.get_submodule(name)), alpha).tolist()]
+                for name, channels in found.channel_max.items()}
+    return {}
+
+
+def _round(value: float) -> float:
+    return float(f"{value:.5g}")
 
 
 def choose_keep(sensitivity: dict[str, float], threshold: float) -> list[str]:
@@ -136,19 +168,29 @@ def _run(engine, prompts: list[list[int]]) -> list[int]:
     return [tokens[("calibration", i)] for i in range(len(prompts))]
 
 
-def _range_hook(sums: dict, name: str):
-    """Accumulates [max |x|, sum of each token's max |x|, tokens] of the layer's input."""
+def _range_hook(seen: dict, name: str):
+    """Accumulates (each input channel's max |x| [in], [each token's max |x|] per call) of the layer's input."""
     def hook(module, args):
-        per_token = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(dim=1).float()
-        top, total, count = sums.get(name, (0.0, 0.0, 0))
-        sums[name] = (max(top, float(per_token.max())), total + float(per_token.sum()), count + per_token.numel())
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().float()
+        channels, tokens = seen.get(name, (torch.zeros(x.shape[1]), []))
+        seen[name] = (torch.maximum(channels, x.amax(dim=0)), tokens + [x.amax(dim=1)])
     return hook
 
 
-def _w8a8(module: nn.Module) -> Int8Linear:
-    if isinstance(module, Int8Linear):  # stored int8 (a converted GGUF): its own weights, int8 activations too
-        return Int8Linear(module.qweight, module.scale.float(), module.bias, "dynamic_int8")
-    return Int8Linear.from_linear(_as_linear(module), "dynamic_int8")
+def _weight(module: nn.Module) -> torch.Tensor:
+    return module.dequantized() if isinstance(module, Int8Linear) else _as_linear(module).weight
+
+
+def _w8a8(module: nn.Module, calibrated: float | list[float] | tuple[float, ...] | None = None) -> Int8Linear:
+    if isinstance(module, Int8Linear) and not isinstance(calibrated, (list, tuple)):  # stored int8 (a converted GGUF): its
+        # own weights, int8 activations too (smoothing requantizes its weight: below)
+        activations = "dynamic_int8" if calibrated is None else "static_int8"
+        return Int8Linear(module.plain_qweight(), module.scale.float(), module.bias, activations, calibrated)
+    if isinstance(module, Int8Linear):
+        linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        linear.weight, linear.bias = nn.Parameter(module.dequantized(), requires_grad=False), module.bias
+        return Int8Linear.from_linear(linear, "dynamic_int8", calibrated)
+    return Int8Linear.from_linear(_as_linear(module), "dynamic_int8", calibrated)
 
 
 def _as_linear(module: nn.Module) -> nn.Linear:

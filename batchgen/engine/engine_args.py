@@ -10,11 +10,19 @@ from .speculative.config import SpeculativeConfig
 
 MODEL_IMPLS = ("auto", "native", "transformers")  # models/registry.py's model_path reads them
 QUANTIZATIONS = ("int8", "int8-weight-only")  # models/quantization.py implements them (QUANTIZED_ACTIVATIONS)
-CALIBRATION_KEYS = ("rows", "threshold")  # quantization_calibration's (job/calibration.py, engine/calibration.py)
+CALIBRATION_KEYS = ("rows", "threshold", "activations", "alpha")  # quantization_calibration's (job/calibration.py,
+# engine/calibration.py). activations: how W8A8 quantizes each layer's input (models/int8_activations.py): one scale
+# per token (dynamic), one per layer from the calibration's ranges (static), or SmoothQuant's per-channel smoothing
+# with alpha, then one scale per token (smooth)
+CALIBRATION_ACTIVATIONS = ("dynamic", "static", "smooth")
+# smooth kept 39/40 of the labeling job's `choice` labels against dynamic's 37 and static's 33, as fast as dynamic
+# (docs/performance.md, "Issue 43: static and smoothed activation scales")
+DEFAULT_CALIBRATION_ACTIVATIONS = "smooth"
+DEFAULT_SMOOTH_ALPHA = 0.5
 # The settings that trade quality for speed, each with its "off" value: `batchgen plan --quality N` compares the job's
 # settings with these off (job/plan/quality.py). Only those EngineArgs has are reset.
 QUALITY_LEVERS = {"quantization": None, "quantization_calibration": None, "quantization_keep": None,
-                  "kv_cache_dtype": "auto", "speculative": None}
+                  "quantization_scales": None, "kv_cache_dtype": "auto", "speculative": None}
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -63,9 +71,12 @@ class EngineArgs:
     seed: int = 0  # seeds the seeds drawn for requests that bring none
     quantization: str | None = None  # None | int8 | int8-weight-only: int8 weights for every decoder Linear and the
     # LM head; int8 quantizes the activations too on the CPU (W8A8), int8-weight-only keeps them (needs bf16/fp16)
-    quantization_calibration: dict[str, int | float] | None = None  # with int8: {rows: N, threshold: t}: N of the
+    quantization_calibration: dict[str, int | float | str] | None = None  # with int8: {rows: N, threshold: t,
+    # activations: smooth (default) | dynamic | static, alpha: SmoothQuant's a (default 0.5)}: N of the
     # job's rows (evenly spaced) measure each layer's sensitivity, and the job keeps in the model's dtype o_proj, the
     # LM head and every layer above t (job/calibration.py); it sets quantization_keep from the measurement
+    quantization_scales: dict[str, float | tuple[float, ...]] | None = None  # with int8, set from the calibration's record
+    # (activations static or smooth): layer -> its static input scale, or its smoothing factors s (one per input)
     quantization_keep: tuple[str, ...] | None = None  # with int8: the Linears left in the model's dtype: a suffix
     # (self_attn.o_proj: every layer's), a full name (model.layers.3.mlp.down_proj) or lm_head; None: none
     model_impl: str = "auto"  # auto (batchgen's own implementation where it has one, else transformers' modeling
@@ -131,19 +142,31 @@ class EngineArgs:
                 raise SettingError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
 
     def _validate_calibration(self) -> None:
-        cal, keep = self.quantization_calibration, self.quantization_keep
-        for name, value in (("quantization_calibration", cal), ("quantization_keep", keep)):
+        cal, keep, scales = self.quantization_calibration, self.quantization_keep, self.quantization_scales
+        for name, value in (("quantization_calibration", cal), ("quantization_keep", keep),
+                            ("quantization_scales", scales)):
             if value is not None and self.quantization != "int8":
                 raise SettingError(name, f"{name} applies to quantization int8, not {self.quantization!r}")
         if cal is not None:
             if not isinstance(cal, dict) or set(cal) - set(CALIBRATION_KEYS) or "rows" not in cal:
                 raise SettingError("quantization_calibration", f"quantization_calibration must be a mapping with rows "
-                                   f"(and optionally threshold), got {cal!r}")
+                                   f"(and optionally {', '.join(CALIBRATION_KEYS[1:])}), got {cal!r}")
             if not isinstance(cal["rows"], int) or isinstance(cal["rows"], bool) or cal["rows"] < 1:
                 raise SettingError("quantization_calibration",
                                    f"quantization_calibration.rows must be a positive integer, got {cal['rows']!r}")
             if not isinstance(cal.get("threshold", 0.0), (int, float)) or cal.get("threshold", 0.0) < 0:
                 raise SettingError("quantization_calibration", f"quantization_calibration.threshold must be a "
                                                                f"non-negative number, got {cal['threshold']!r}")
+            if cal.get("activations", DEFAULT_CALIBRATION_ACTIVATIONS) not in CALIBRATION_ACTIVATIONS:
+                raise SettingError("quantization_calibration.activations", f"quantization_calibration.activations "
+                                   f"must be one of {', '.join(CALIBRATION_ACTIVATIONS)}, got {cal['activations']!r}")
+            alpha = cal.get("alpha", DEFAULT_SMOOTH_ALPHA)
+            if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < 1:
+                raise SettingError("quantization_calibration.alpha",
+                                   f"quantization_calibration.alpha must be a number in (0, 1), got {alpha!r}")
+        if scales is not None and not (isinstance(scales, dict) and all(
+                isinstance(v, (int, float, list, tuple)) and not isinstance(v, bool) for v in scales.values())):
+            raise SettingError("quantization_scales", "quantization_scales must map layer names to a static scale or "
+                                                      f"a list of smoothing factors, got {type(scales).__name__}")
         if keep is not None and not all(isinstance(name, str) and name for name in keep):
             raise SettingError("quantization_keep", f"quantization_keep must be a list of layer names, got {keep!r}")

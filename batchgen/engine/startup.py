@@ -108,7 +108,7 @@ def set_up(args: EngineArgs) -> EngineSetup:
         elif device.type == "cpu":  # each layer's plain copy back to the system as soon as it is freed
             return_freed_memory_at_once()
         model = load_model(model_dir, dtype.dtype, device, args.quantization, pack, args.model_impl,
-                           args.quantization_keep)
+                           args.quantization_keep, args.quantization_scales)
     finally:
         if heap is not None:
             heap.close()

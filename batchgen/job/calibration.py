@@ -5,7 +5,9 @@ The rows are evenly spaced over the input (row i * total // N, i < N: the same r
 built as the run builds them. The measurement is written beside the output (`_calibration.json`, marked
 batchgen-calibration/1, with the job's fingerprint) before any row runs: a resumed run reads it back and keeps the
 same layers, whatever a new measurement would say (timing noise does not enter it, but thread counts can move a
-layer across the threshold). `_SUCCESS` gets the rows, the layers kept and the sensitivities (calibration_summary)."""
+layer across the threshold). With activations static or smooth the record also holds each layer's static input scale
+or smoothing factors (`activation_scales`), which the quantized engine is built with (EngineArgs.quantization_scales).
+`_SUCCESS` gets the rows, the activations, the layers kept and the sensitivities (calibration_summary)."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +44,9 @@ def read_rows(config, inputs, tokenizer, max_model_len: int | None, rows: list[i
 
 
 def calibrated_args(job: PreparedJob | Any, args: EngineArgs) -> EngineArgs:
-    """`args` with quantization_keep set from the job's calibration (read back, or measured and written now); `args`
-    itself without a calibration to do. The record goes to `job.calibration` for _SUCCESS."""
+    """`args` with quantization_keep (and quantization_scales) set from the job's calibration (read back, or measured
+    and written now); `args` itself without a calibration to do. The record goes to `job.calibration` for _SUCCESS;
+    `job.calibration_source` says which ("measured" or "read")."""
     cal = getattr(args, "quantization_calibration", None)
     if args.quantization != "int8" or not cal or args.quantization_keep is not None:
         return args
@@ -51,24 +54,30 @@ def calibrated_args(job: PreparedJob | Any, args: EngineArgs) -> EngineArgs:
     record = _read(job.out, fingerprint) if job.out is not None else None
     if record is None:
         record = measure_job(job.config, job.inputs, args)
-        if job.out is not None:
+        if job.out is not None and getattr(job, "write_calibration", True):
             job.out.write_text(CALIBRATION, json.dumps({"format": FORMAT, "fingerprint": fingerprint, **record}))
+        job.calibration_source = "measured"
     else:
         logger.info("quantization int8: the calibration of an earlier run (%s): kept %s", CALIBRATION,
                     ", ".join(record["keep"]))
+        job.calibration_source = "read"
     job.calibration = record
-    return dataclasses.replace(args, quantization_keep=tuple(record["keep"]))
+    return dataclasses.replace(args, quantization_keep=tuple(record["keep"]),
+                               quantization_scales=record.get("activation_scales") or None)
 
 
 def measure_job(config, inputs, args: EngineArgs) -> dict[str, Any]:
     """Open an unquantized engine, build the calibration rows with its tokenizer, measure, choose; the record."""
     from batchgen.engine.calibration import (DEFAULT_THRESHOLD, calibration_args, choose_keep, measure,
                                              quantizable_layers)
+    from batchgen.engine.engine_args import DEFAULT_CALIBRATION_ACTIVATIONS, DEFAULT_SMOOTH_ALPHA
     from batchgen.engine.engine import Engine
     from batchgen.models.quantization import DEFAULT_KEEP, is_kept
 
     cal = args.quantization_calibration
     threshold = float(cal.get("threshold", DEFAULT_THRESHOLD))
+    activations = cal.get("activations", DEFAULT_CALIBRATION_ACTIVATIONS)
+    alpha = float(cal.get("alpha", DEFAULT_SMOOTH_ALPHA))
     rows = calibration_rows(inputs.total_rows, int(cal["rows"]))
     started = time.monotonic()
     engine = Engine(calibration_args(args, len(rows)))
@@ -77,15 +86,19 @@ def measure_job(config, inputs, args: EngineArgs) -> dict[str, Any]:
         if not built:
             raise ValueError("engine.quantization_calibration: none of the calibration rows builds into a prompt")
         layers = [name for name in quantizable_layers(engine.model) if not is_kept(name, DEFAULT_KEEP)]
-        logger.info("quantization int8: calibrating %d layers on %d rows of the job", len(layers), len(built))
-        found = measure(engine, [ids for _, ids in built], layers)
+        logger.info("quantization int8: calibrating %d layers on %d rows of the job, %s activations", len(layers),
+                    len(built), activations)
+        found = measure(engine, [ids for _, ids in built], layers, activations, alpha)
     finally:
         del engine
         gc.collect()
     keep = choose_keep(found.sensitivity, threshold)
     logger.info("quantization int8: kept in the model's dtype: %s (%.1f s)", ", ".join(keep),
                 time.monotonic() - started)
-    return {"rows": [row for row, _ in built], "threshold": threshold, "keep": keep,
+    kept = {name for name in found.scales if is_kept(name, tuple(keep))}
+    return {"rows": [row for row, _ in built], "threshold": threshold, "keep": keep, "activations": activations,
+            **({"alpha": alpha} if activations == "smooth" else {}),
+            "activation_scales": {name: value for name, value in found.scales.items() if name not in kept},
             "sensitivity": {name: round(value, 8) for name, value in found.sensitivity.items()},
             "flips": {name: round(value, 4) for name, value in found.flips.items()},
             "activation_ranges": {name: [round(top, 4), round(mean, 4)] for name, (top, mean) in found.ranges.items()},
@@ -105,7 +118,13 @@ def calibration_summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
     if not record:
         return None
     ranked = sorted(record["sensitivity"].items(), key=lambda item: -item[1])
+    activations = record.get("activations", "dynamic")
+    scales = record.get("activation_scales") or {}
     return {"rows": record["rows"], "threshold": record["threshold"], "keep": record["keep"],
+            "activations": activations, **({"alpha": record["alpha"]} if "alpha" in record else {}),
+            # static: each layer's input scale; smooth: how many layers were smoothed (the factors are in the record)
+            **({"static_scales": scales} if activations == "static" else {}),
+            **({"smoothed_layers": len(scales)} if activations == "smooth" else {}),
             "sensitivity": record["sensitivity"], "most_sensitive": [name for name, _ in ranked[:5]],
             "activation_ranges": record.get("activation_ranges", {})}
 

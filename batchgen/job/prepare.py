@@ -4,6 +4,7 @@ and the engine settings a run gets."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Container
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class PreparedJob:
     target: EngineTarget | None = None  # the run's device and dtype and why, resolved once (engine_target)
     adapters: dict[str, LocatedAdapter] = dataclasses.field(default_factory=dict)  # the job's lora:, found locally
     calibration: dict | None = None  # quantization_calibration's record, once measured or read (job/calibration.py)
+    calibration_source: str | None = None  # "measured" or "read" (the output's _calibration.json)
 
     @property
     def model(self) -> str:
@@ -237,6 +239,10 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles, target: E
         # which layers a calibrated int8 keeps in the dtype; absent when unset, for the same reason
         **({name: dataclasses.asdict(config.engine)[name] for name in ("quantization_calibration", "quantization_keep")
             if getattr(config.engine, name, None) is not None}),
+        # static scales or smoothing factors set by hand (the calibration's are under its own key): their digest
+        **({"quantization_scales": hashlib.sha256(json.dumps(config.engine.quantization_scales, sort_keys=True)
+                                                  .encode()).hexdigest()[:16]}
+           if getattr(config.engine, "quantization_scales", None) else {}),
         # an int8 KV cache rounds K and V (outputs change); speculation does not change them, so it is not here
         **({"kv_cache_dtype": config.engine.kv_cache_dtype} if config.engine.kv_cache_dtype != "auto" else {}),
         # a shorter context cuts rows short (finish_reason length); absent when unset, for the same reason

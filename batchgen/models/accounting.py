@@ -9,7 +9,8 @@ from .quantization import Int8Linear
 
 
 def _held_weights(model: nn.Module) -> list:
-    return [m.packed_weight for m in model.modules() if isinstance(m, PackedLinear)]
+    return [m.packed_weight for m in model.modules()
+            if isinstance(m, (PackedLinear, Int8Linear)) and m.packed_weight is not None]
 
 
 def num_parameters(model: nn.Module) -> int:
@@ -20,7 +21,7 @@ def num_parameters(model: nn.Module) -> int:
         if isinstance(module, PackedLinear):
             count += module.in_features * module.out_features
         elif isinstance(module, Int8Linear):
-            count += module.qweight.numel()
+            count += module.in_features * module.out_features  # its qweight, or once packed, packed_weight
     head, embedding = model.output_head, model.input_embeddings.weight
     if model.head_tied and getattr(head, "weight", None) is not embedding:
         count -= embedding.numel()  # the head is a copy of the table: once

@@ -26,8 +26,9 @@ from .inspector import checkpoint_sources, checkpoint_variant
 from .llama import LlamaForCausalLM
 from .packed_linear import PackedLinear
 from .upcast_linear import UpcastLinear, upcast_supported
-from .quantization import (QUANTIZED_ACTIVATIONS, Int8Linear, is_kept, is_quantized, keep_stored_int8,
-                           stored_int8_quantization)
+from .int8_activations import fold_smoothing
+from .quantization import (QUANTIZED_ACTIVATIONS, Int8Linear, apply_to_stored, is_kept, is_quantized,
+                           keep_stored_int8, stored_int8_quantization)
 from .encoder_types import is_encoder_config
 from .named import NAMED_MODELS
 from .wheel_models import WHEEL_MODELS
@@ -184,10 +185,10 @@ def check_gguf_header(path: Path) -> None:
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
                quantization: str | None = None, pack: bool = False, model_impl: str = "auto",
-               keep: tuple[str, ...] | None = None) -> LlamaForCausalLM:
+               keep: tuple[str, ...] | None = None, scales: dict | None = None) -> LlamaForCausalLM:
     """Our model for the HF-style `model_dir`, its weights read from its safetensors shards (weight_files), in eval
     mode; with a quantization ("int8", "int8-weight-only"), its Linear layers int8 (models/quantization.py) but
-    those `keep` names (is_kept); with `pack` (a CPU that packing_supported or upcast_supported), its other Linear layers oneDNN-packed
+    those `keep` names (is_kept), W8A8 with `scales` (EngineArgs.quantization_scales); with `pack` (a CPU that packing_supported or upcast_supported), its other Linear layers oneDNN-packed
     (models/packed_linear.py), or for bf16 without oneDNN's bf16, computed in fp32 (models/upcast_linear.py).
 
     Each Linear is built in its final form as soon as its weights are read, before the next is read: the model never
@@ -235,7 +236,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
         for param_name, names in sources.items():
             module_name, _, leaf = param_name.rpartition(".")
             if module_name != pending:
-                _finish(model, pending, quantization, pack, keep)
+                _finish(model, pending, quantization, pack, keep, scales)
                 pending = module_name
             if stored_int8:  # an int8 matrix becomes its Int8Linear as stored (None); the rest is read at dtype
                 tensor = load_int8_entry_parameter(model, param_name, names, shard_of, dtype,
@@ -246,11 +247,14 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
             replaced = _replaced(model, module_name, quantization, dtype, pack, keep)
             staged = plains if leaf == "weight" and replaced else None
             _set_parameter(model, param_name, _read(shard_of, param_name, names, model, dtype, casts, staged).to(device))
-        _finish(model, pending, quantization, pack, keep)
+        _finish(model, pending, quantization, pack, keep, scales)
     model.tie_weights()
-    _finish(model, "lm_head", quantization, pack, keep)  # a tied head: its own int8 or packed copy of the embedding
+    _finish(model, "lm_head", quantization, pack, keep, scales)  # a tied head: its own int8 or packed embedding
     if stored_int8 and keep:
         keep_stored_int8(model, keep, dtype)
+    if stored_int8 and scales:
+        apply_to_stored(model, scales)
+    fold_smoothing(model)  # SmoothQuant's 1/s into the norms before qkv and gate_up (int8_activations.py)
     return model.to(device).eval()
 
 
@@ -273,7 +277,7 @@ def _read(shard_of: dict, param_name: str, names: list[str], model: nn.Module, d
 
 
 def _finish(model: nn.Module, module_name: str | None, quantization: str | None, pack: bool,
-            keep: tuple[str, ...] | None = None) -> None:
+            keep: tuple[str, ...] | None = None, scales: dict | None = None) -> None:
     """Give a fully read plain Linear its final form (int8, packed, or bf16 computed in fp32)."""
     if module_name is None or module_name in _KEPT_PLAIN or type(model.get_submodule(module_name)) is not nn.Linear:
         return
@@ -284,7 +288,8 @@ def _finish(model: nn.Module, module_name: str | None, quantization: str | None,
     parent = model.get_submodule(parent_name) if parent_name else model
     if _quantized(module_name, quantization, keep):
         activations = INT8_OPTIONS["activations"] or QUANTIZED_ACTIVATIONS[quantization]
-        setattr(parent, leaf, Int8Linear.from_linear(module, activations))
+        calibrated = (scales or {}).get(module_name) if activations == "dynamic_int8" else None
+        setattr(parent, leaf, Int8Linear.from_linear(module, activations, calibrated))
     elif pack and upcast_supported(module.weight.device, module.weight.dtype):
         setattr(parent, leaf, UpcastLinear(module.weight, module.bias))  # keeps this very weight
     elif pack:

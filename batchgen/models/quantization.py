@@ -3,12 +3,13 @@
 Each weight matrix [out, in] becomes int8 with one fp32 scale per output channel (symmetric: w ≈ q * scale,
 |q| <= 127). How the matmul runs depends on where:
 
-- CPU, the default: W8A8 dynamic. Each token's activations are quantized on the fly to int8 with one scale per
-  token, `torch._int_mm` multiplies int8 x int8 into int32 (oneDNN, VNNI where the CPU has it) and the two scales
-  rescale the result in fp32. A whole engine run (32 rows x 64 tokens, dev/microbench_int8.py) on a 2-core
-  AVX512-VNNI EPYC: 1.15x fp32, but slower than bf16 (1.28x vs 1.55x fp32) now that plain Linears run on oneDNN's
-  packed kernels: int8 saves memory here, not time. It costs quality: perplexity +4.5% (dev/quant_quality.py),
-  mostly from the int8 inputs of qkv, gate_up and the LM head.
+- CPU, the default: W8A8. Each token's activations are quantized to int8 (one scale per token, or with a calibration
+  one static scale per layer, optionally after SmoothQuant's smoothing) and oneDNN's quantized linear multiplies them
+  by the prepacked int8 weight, the scales applied in the kernel (int8_activations.py; torch._int_mm where oneDNN
+  lacks it). On the 2-core AMX Xeon: 0.33-0.91x bf16's matmul time at the 1B shape with a static scale, where
+  _int_mm with a separate rescale took 0.54-1.89x; the 1B shape's labeling rows ran at 1.25x bf16 (docs/performance.md, "Issue 43:
+  static and smoothed activation scales"). It costs quality: perplexity +4.5% (dev/quant_quality.py), mostly from the int8 inputs of qkv, gate_up
+  and the LM head: the calibration (engine/calibration.py) keeps the worst in the dtype.
 - CPU with bf16/fp16 activations and `weight_only` (`quantization: int8-weight-only`): `aten._weight_int8pack_mm`
   (the activations stay in the model's dtype) up to WEIGHT_ONLY_MAX_ROWS rows. It reads half the bytes of bf16
   weights, so it is fastest where a step is bound by reading the weights (few rows), but its time grows with the
@@ -32,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ACTIVATIONS = ("dynamic_int8", "weight_only")
+from .int8_activations import int_mm_matmul, onednn_int8_matmul, onednn_int8_supported, pack, unpack
+
+ACTIVATIONS = ("dynamic_int8", "static_int8", "weight_only")  # static_int8: a calibrated scale (int8_activations.py)
 # EngineArgs.quantization -> the activations of its Int8Linears. int8-weight-only needs 16-bit activations:
 # _weight_int8pack_mm has no vectorised fp32 kernel (6-35x slower than fp32), so the engine refuses it with fp32.
 QUANTIZED_ACTIVATIONS = {"int8": "dynamic_int8", "int8-weight-only": "weight_only"}
@@ -89,22 +92,36 @@ class Int8Linear(nn.Module):
     """y = x @ (q * scale).T + bias, for x [..., in] of any float dtype; y has x's dtype."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 activations: str = "dynamic_int8") -> None:
+                 activations: str = "dynamic_int8", input_scale: float | None = None,
+                 smooth: torch.Tensor | None = None) -> None:
         super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        if (activations == "static_int8") != (input_scale is not None):
+            raise ValueError("static_int8 activations take an input_scale, and only they do")
         self.activations = activations
         self.in_features, self.out_features = qweight.shape[1], qweight.shape[0]
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.batch_invariant = False  # weight_only: every row count takes the one-row kernel (_weight_only_matmul)
+        self.input_scale = None if input_scale is None else float(input_scale)  # static_int8: x ≈ q * input_scale
+        self.register_buffer("smooth", smooth)  # [in] fp32 or None: SmoothQuant's 1/s, multiplied into x first
+        self.packed_weight = None  # W8A8 on the CPU: qweight in oneDNN's layout, made at the first call (qweight freed)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activations: str = "dynamic_int8") -> Int8Linear:
-        weight = linear.weight
-        q, scale = quantize_weight(weight, weight.dtype if activations == "weight_only" else torch.float32)
-        return cls(q, scale, linear.bias, activations)
+    def from_linear(cls, linear: nn.Linear, activations: str = "dynamic_int8",
+                    calibrated: float | list[float] | None = None) -> Int8Linear:
+        """`calibrated` (EngineArgs.quantization_scales' entry for the layer, W8A8 only): a number is the static
+        input scale, a list SmoothQuant's factors s [in] (the weight's columns multiplied by s before quantizing)."""
+        weight, smooth, input_scale = linear.weight, None, None
+        if isinstance(calibrated, (int, float)):
+            activations, input_scale = "static_int8", float(calibrated)
+        elif calibrated is not None:
+            s = torch.tensor(calibrated, dtype=torch.float32)
+            weight, smooth = weight.detach().float() * s, 1.0 / s
+        q, scale = quantize_weight(weight, linear.weight.dtype if activations == "weight_only" else torch.float32)
+        return cls(q, scale, linear.bias, activations, input_scale, smooth)
 
     @classmethod
     def from_int8(cls, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, activations: str,
@@ -113,25 +130,38 @@ class Int8Linear(nn.Module):
         weight_only (its kernel's), in fp32 for dynamic_int8."""
         return cls(qweight, scale.to(dtype) if activations == "weight_only" else scale.float(), bias, activations)
 
+    def plain_qweight(self) -> torch.Tensor:
+        """The int8 weight [out, in], also once packed (read back from the packed form)."""
+        if self.qweight is not None:
+            return self.qweight
+        return unpack(self.packed_weight, self.in_features, self.out_features)
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight this layer multiplies by, [out, in]."""
-        return (self.qweight.float() * self.scale.float()[:, None]).to(dtype)
+        """The weight this layer multiplies by, [out, in] (a smoothed layer's: its input divided by s first)."""
+        return (self.plain_qweight().float() * self.scale.float()[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x.device.type != "cpu":
+            x2 = x2 if self.smooth is None else x2 * self.smooth.to(x2.dtype)
             out = F.linear(x2, self.dequantized(x.dtype))
-        elif self.activations == "dynamic_int8":
-            out = _dynamic_int8_matmul(x2, self.qweight, self.scale)
-        else:
+        elif self.activations == "weight_only":
             out = _weight_only_matmul(x2, self.qweight, self.scale.to(x.dtype), self.batch_invariant)
+        else:
+            if self.packed_weight is None and onednn_int8_supported():
+                self.packed_weight = pack(self.qweight)
+                self.qweight = None
+            if self.packed_weight is not None:
+                out = onednn_int8_matmul(x2, self.packed_weight, self.scale, self.smooth, self.input_scale)
+            else:
+                out = int_mm_matmul(x2, self.qweight, self.scale, self.smooth, self.input_scale)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"activations={self.activations}")
+                f"activations={self.activations}" + (", smoothed" if self.smooth is not None else ""))
 
 
 # _weight_int8pack_mm is a matrix-vector product per row: its time grows with the rows as bf16's matmul's does not
@@ -173,19 +203,6 @@ def weight_only_kernel_rows(model: nn.Module) -> int | None:
     return None
 
 
-def _dynamic_int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-token symmetric int8 activations x int8 weights -> int32, rescaled in fp32; x's dtype out."""
-    x32 = x.float()
-    x_scale = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12) / 127.0
-    xq = (x32 / x_scale).round_().to(torch.int8)  # |x / x_scale| <= 127: no clamp needed
-    acc = torch._int_mm(xq, qweight.t())
-    # Rescaled in place, one [tokens, out] fp32 fewer at once than a new tensor for each product: a 16-row fp32 job
-    # on an 8B model (dev/make_random_gguf.py) peaked at 10,307 MiB instead of 10,499, under its bound (10,460).
-    out = acc.float()
-    del acc
-    return out.mul_(x_scale).mul_(scale).to(x.dtype)
-
-
 def keep_stored_int8(model: nn.Module, keep: tuple[str, ...] | None, dtype: torch.dtype) -> None:
     """For a model stored in int8 (a converted GGUF), the Int8Linears EngineArgs.quantization_keep names take the
     model's dtype for their activations: weight-only with bf16/fp16, the weight dequantized to fp32 otherwise
@@ -193,7 +210,7 @@ def keep_stored_int8(model: nn.Module, keep: tuple[str, ...] | None, dtype: torc
     for name, module in list(model.named_modules()):
         if isinstance(module, Int8Linear) and is_kept(name, keep):
             if dtype in WEIGHT_ONLY_DTYPES:
-                kept = Int8Linear(module.qweight, module.scale.to(dtype), module.bias, "weight_only")
+                kept = Int8Linear(module.plain_qweight(), module.scale.to(dtype), module.bias, "weight_only")
             else:
                 kept = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
                 kept.weight = nn.Parameter(module.dequantized(dtype), requires_grad=False)
@@ -215,3 +232,18 @@ def quantize_model(model: nn.Module, lm_head: bool = True, activations: str = "d
         model.lm_head = Int8Linear.from_linear(model.lm_head, activations)
     return model
 
+
+def apply_to_stored(model: torch.nn.Module, scales: dict) -> None:
+    """EngineArgs.quantization_scales on a model stored in int8 (a converted GGUF), whose weights were never float
+    here: a static scale is set on its W8A8 layer; smoothing factors requantize its weight times s (two roundings:
+    the stored one, and this one)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Int8Linear) or module.activations != "dynamic_int8" or name not in scales:
+            continue
+        if isinstance(scales[name], (int, float)):
+            module.activations, module.input_scale = "static_int8", float(scales[name])
+            continue
+        s = torch.tensor(scales[name], dtype=torch.float32)
+        q, scale = quantize_weight(module.dequantized() * s)
+        module.qweight, module.packed_weight, module.smooth = q, None, 1.0 / s
+        module.scale = scale

@@ -4,7 +4,9 @@ first, as the run would), then with every quality lever off (engine_args.QUALITY
 of the other levers this engine has). The gate says how often the greedy texts agree, how often the `choice` labels
 agree (jobs with choices), and the log-likelihood difference: per row, |the job's settings' log-likelihood - the
 reference's| of the tokens both produced, over the rows whose texts agree (for a `choice` row, the reference label's
-log-probability under each). Nothing is written: the calibration is measured anew, not read from the output."""
+log-probability under each). A calibrated int8 uses the output's `_calibration.json` when it holds this job's
+calibration (the same fingerprint: what a run or its resume would use), and says so; else it measures one, as the run
+would, and writes nothing."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,12 +44,15 @@ def quality_gate(job: PreparedJob, rows: int) -> list[str]:
     chosen = calibration_rows(job.inputs.total_rows, rows)
     started = time.monotonic()
     reference = _run(job, reference_args, chosen)
-    scratch = SimpleNamespace(config=job.config, inputs=job.inputs, fingerprint=job.fingerprint, out=None,
-                              calibration=None)
+    scratch = SimpleNamespace(config=job.config, inputs=job.inputs, fingerprint=job.fingerprint, out=job.out,
+                              calibration=None, calibration_source=None, write_calibration=False)
     measured = _run(job, calibrated_args(scratch, base), chosen)
     lines = agreement_lines(reference, measured, on)
     if scratch.calibration is not None:
-        lines.append(f"quality: calibration kept {', '.join(scratch.calibration['keep'])} in the model's dtype")
+        source = "read from the output's _calibration.json, this job's as a run reads it" \
+            if scratch.calibration_source == "read" else "measured now, the output holds none for this job"
+        lines.append(f"quality: calibration {source}: {scratch.calibration.get('activations', 'dynamic')} "
+                     f"activations, kept {', '.join(scratch.calibration['keep'])} in the model's dtype")
     lines.append(f"quality: {len(chosen)} rows (evenly spaced), both runs {time.monotonic() - started:.1f} s")
     return lines
 
