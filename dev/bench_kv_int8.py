@@ -4,7 +4,8 @@
   own blocks: bench/roofline.py's synthetic step, no prefill needed), best and median of REPS after 2 warm-ups;
 - labeling: the bench's labeling workload (`batchgen bench --workload labeling`: ROWS rows, one shared system prompt,
   8 output tokens) through the engine's API, greedy, then answered by `choice` scoring over the bench's labels:
-  generation time, and how many rows (free greedy) and labels (choice) the int8 cache gives as the model's does.
+  generation time, and how many rows (free greedy) and labels (choice) the int8 cache gives as the model's does,
+  with how near a tie each parting was in the model-dtype run (`agreement`).
 
 Prints one JSON record and appends it to --archive (docs/performance-archive.jsonl) with the machine's CPU flags.
 Run it on a quiet machine, from the checkout's root:
@@ -26,6 +27,8 @@ import numpy as np
 import torch
 
 KV_DTYPES = ("auto", "int8")
+NEAR_TIE = 0.25  # nats between the base run's top two tokens: two steps of bf16 logits between 16 and 32
+NEAR_TIE_LABEL = 0.05  # probability between the base run's top two labels
 
 
 def decode_case(model: str, dtype: str, kv_cache_dtype: str, batch: int, context: int, reps: int) -> dict:
@@ -69,29 +72,49 @@ def labeling_case(model: str, dtype: str, kv_cache_dtype: str, rows: int, seed: 
     workload = synthetic_workload("labeling", rows, seed, engine.tokenizer, model)
     ordered = list(sort_windows(workload.rows, window=rows + 1, how="prefix"))  # as the bench and `batchgen run`
     started = time.monotonic()
-    free = {r.request_id: list(r.token_ids) for r in engine.generate(
-        Request(row.id, row.token_ids, SamplingParams(max_tokens=row.max_tokens, temperature=0.0)) for row in ordered)}
+    results = list(engine.generate(Request(row.id, row.token_ids, SamplingParams(
+        max_tokens=row.max_tokens, temperature=0.0, logprobs=2)) for row in ordered))
     wall_s = time.monotonic() - started
+    free = {r.request_id: list(r.token_ids) for r in results}
+    gaps = {r.request_id: [top[0][2] - top[1][2] for top in r.top_logprobs] for r in results}  # top-1 - top-2 logprob
     started = time.monotonic()
-    labels = {r.request_id: max(r.choice_probs, key=lambda c: c[1])[0] for r in engine.generate(
+    probs = {r.request_id: sorted(r.choice_probs, key=lambda c: -c[1]) for r in engine.generate(
         Request(row.id, row.token_ids, SamplingParams(max_tokens=row.max_tokens, temperature=0.0,
                                                       choice=LABELING_LABELS)) for row in ordered)}
     choice_s = time.monotonic() - started
     tokens = sum(len(ids) for ids in free.values())
     return {"kv_cache_dtype": kv_cache_dtype, "kv_bytes_per_token": engine.plan.kv_bytes_per_token,
-            "generation_s": wall_s, "output_tokens": tokens, "choice_s": choice_s, "free": free, "labels": labels}
+            "generation_s": wall_s, "output_tokens": tokens, "choice_s": choice_s, "free": free, "gaps": gaps,
+            "labels": {i: p[0][0] for i, p in probs.items()}, "margins": {i: p[0][1] - p[1][1] for i, p in probs.items()}}
 
 
 def agreement(base: dict, other: dict) -> dict:
-    rows = sum(base["free"][i] == other["free"][i] for i in base["free"])
-    labels = sum(base["labels"][i] == other["labels"][i] for i in base["labels"])
-    return {"identical_rows": rows, "rows": len(base["free"]), "identical_share": rows / len(base["free"]),
-            "same_labels": labels, "label_share": labels / len(base["labels"])}
+    """How many rows and labels the int8 cache gives as the base does, and how close to a tie each parting was in the
+    base run: its top-two logprob gap at a row's first differing token, its top-two label probability margin. A row
+    is decided when no token of it (in the base run) had a gap under NEAR_TIE nats; a label when its margin is at
+    least NEAR_TIE_LABEL."""
+    ids = list(base["free"])
+    same = {i: base["free"][i] == other["free"][i] for i in ids}
+    parting = sorted(base["gaps"][i][next(p for p, (a, b) in enumerate(zip(base["free"][i], other["free"][i]))
+                                          if a != b)] for i in ids if not same[i])
+    decided = [i for i in ids if min(base["gaps"][i], default=float("inf")) >= NEAR_TIE]
+    labels = {i: base["labels"][i] == other["labels"][i] for i in base["labels"]}
+    decided_labels = [i for i in labels if base["margins"][i] >= NEAR_TIE_LABEL]
+    return {"identical_rows": sum(same.values()), "rows": len(ids), "identical_share": sum(same.values()) / len(ids),
+            "same_labels": sum(labels.values()), "label_share": sum(labels.values()) / len(labels),
+            "parting_gaps": [round(g, 4) for g in parting],
+            "flipped_label_margins": sorted(round(base["margins"][i], 4) for i in labels if not labels[i]),
+            "near_tie_nats": NEAR_TIE, "decided_rows": len(decided),
+            "decided_identical": sum(same[i] for i in decided),
+            "near_tie_label_margin": NEAR_TIE_LABEL, "decided_labels": len(decided_labels),
+            "decided_same_labels": sum(labels[i] for i in decided_labels)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
+    parser.add_argument("--float-weights", action="store_true", help="a named or GGUF model's weights dequantized "
+                        "(the reference checkpoint: no int8 matmuls, whose activation rounding hides the cache's)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--parts", default="decode,labeling")
     parser.add_argument("--batch", type=int, default=16)
@@ -101,6 +124,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--archive", default="docs/performance-archive.jsonl")
     args = parser.parse_args()
+    if args.float_weights:
+        from batchgen.models.loader import reference_model_dir
+        args.model = str(reference_model_dir(args.model))
     from batchgen.bench.checkout import git_commit
     from batchgen.machine import machine_info
 
@@ -114,7 +140,8 @@ def main() -> None:
     if "labeling" in parts:
         runs = [labeling_case(args.model, args.dtype, kv, args.rows, args.seed) for kv in KV_DTYPES]
         record["labeling"] = {"rows": args.rows, "agreement": agreement(*runs),
-                              "cases": [{k: v for k, v in run.items() if k not in ("free", "labels")} for run in runs]}
+                              "cases": [{k: v for k, v in run.items() if k not in ("free", "gaps", "labels", "margins")}
+                                        for run in runs]}
     print(json.dumps(record, indent=1))
     if args.archive:
         with open(Path(args.archive), "a") as f:

@@ -56,6 +56,8 @@ def gate(job: Path, rows: int) -> dict:
     for line in lines:
         if m := re.search(r"greedy text agrees on (\d+)/(\d+)", line):
             found["text_agreement"] = int(m[1]) / int(m[2])
+        if m := re.search(r"on the (\d+) it decides clearly, (\d+)/\d+ agree", line):
+            found["decided_rows"], found["decided_agreement"] = int(m[1]), int(m[2]) / max(int(m[1]), 1)
         if m := re.search(r"choice labels agree on (\d+)/(\d+)", line):
             found["choice_agreement"] = int(m[1]) / int(m[2])
         if m := re.search(r"log-likelihood difference mean ([\d.]+), max ([\d.]+)", line):

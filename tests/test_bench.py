@@ -50,6 +50,21 @@ def test_labeling_workload_shares_a_long_instruction(tokenizer):
     assert all(row.max_tokens == 8 for row in workload.rows)
 
 
+def test_a_model_without_a_chat_template_gets_plain_text_with_its_bos(default_model_dir):
+    """A base model (Gemma 3 270M's GGUF, for one) has no chat template: the rows are the system text and the
+    user's, with the tokenizer's own special tokens, as a job with chat_template: false sends them."""
+    from batchgen.models.loader import load_tokenizer
+
+    base = load_tokenizer(default_model_dir)
+    base.chat_template = None
+    workload = synthetic_workload("labeling", 4, seed=0, tokenizer=base)
+    expected = base(["x"], add_special_tokens=True)["input_ids"][0][:-1]  # the tokenizer's own leading tokens
+    assert all(row.token_ids[:len(expected)] == expected for row in workload.rows)
+    text = base.decode(workload.rows[0].token_ids)
+    assert "<|im_start|>" not in text and text.rstrip().endswith("Label:")
+    assert shared_prefix_length(workload.rows) > 200 and "no chat template" in workload.notes[0]
+
+
 def test_workloads_are_deterministic_and_mixed_is_half_and_half(tokenizer):
     first = synthetic_workload("mixed", 10, seed=3, tokenizer=tokenizer)
     again = synthetic_workload("mixed", 10, seed=3, tokenizer=tokenizer)

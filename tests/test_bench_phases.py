@@ -80,3 +80,11 @@ def test_bench_reports_each_phase_against_the_measured_roofline(tmp_path, defaul
     assert 0 < steps["prefill_s"] + steps["decode_s"] <= record["systems"]["batchgen"]["wall_s"]
     assert "x roofline" in result.output and "batchgen by its own steps" in result.output
     assert json.loads(archive.read_text().splitlines()[0])["phases"]["systems"]["batchgen"]["wall_x"] > 1
+
+
+def test_no_unquantized_floor_for_a_checkpoint_held_in_int8(default_model_dir, default_int8_dir):
+    """A converted GGUF runs in int8 whatever the dtype: the unquantized model's roofline is not its floor."""
+    from batchgen.bench.phase_report import model_counts
+
+    assert model_counts(str(default_int8_dir), "float32") is None
+    assert model_counts(str(default_model_dir), "float32").weight_bytes > 0

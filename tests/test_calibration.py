@@ -15,7 +15,7 @@ import yaml
 from batchgen.engine.engine_args import QUALITY_LEVERS, EngineArgs
 from batchgen.engine.errors import SettingError
 from batchgen.job.calibration import calibration_rows
-from batchgen.job.plan.quality import levers_off
+from batchgen.job.plan.quality import RowOutcome, agreement_lines, levers_off
 from batchgen.models.quantization import DEFAULT_KEEP, is_kept
 from cli_runs import kill_after_parts, read, run_cli
 
@@ -54,6 +54,17 @@ def test_the_levers_off_are_only_those_engine_args_has():
     assert on == ["quantization", "quantization_calibration"]
     assert args.quantization is None and args.quantization_calibration is None
     assert set(QUALITY_LEVERS) >= {"quantization", "kv_cache_dtype", "speculative"}
+
+
+def test_the_gate_gives_the_agreement_over_the_rows_the_reference_decides_clearly():
+    reference = {0: RowOutcome("a", -1.0, margin=2.0), 1: RowOutcome("b", -1.0, margin=0.03),
+                 2: RowOutcome("c", -1.0, margin=0.5), 3: RowOutcome("d", -1.0, margin=0.3)}
+    measured = {0: RowOutcome("a", -1.1), 1: RowOutcome("x", -1.0), 2: RowOutcome("c", -1.0), 3: RowOutcome("y", -2.0)}
+    lines = agreement_lines(reference, measured, ["quantization"])
+    assert "greedy text agrees on 2/4 rows (50.0%)" in lines[1]
+    assert "1 of these rows hold a near-tie" in lines[2] and "on the 3 it decides clearly, 2/3 agree (66.7%)" in lines[2]
+    decided = {row: RowOutcome(o.text, o.logprob, margin=1.0) for row, o in reference.items()}
+    assert not any("near-tie" in line for line in agreement_lines(decided, measured, ["quantization"]))
 
 
 def write_job(root: Path, model: Path, name: str, **engine) -> Path:
@@ -125,5 +136,17 @@ def test_the_plan_says_whether_calibrated_w8a8_pays_on_this_cpu_kind(tmp_path):
     archive.write_text(json.dumps(record) + "\n" + json.dumps(newer) + "\n")
     lines = calibrated_w8a8_advice(archive, device, "int8")  # the kind comparing activations wins, older or not
     assert len(lines) == 3 and "static: 1.31x bf16's speed, 90% of greedy labels kept: pays" in lines[2]
+    speed = {"kind": "w8a8-activations-speed", "date": "2026-12-05T21:00", "reference": "bf16",
+             "workload": {"model": "llama-1b (random)", "name": "labeling-rows-16 + decode-32"},
+             "machine": record["machine"],
+             "speedup": {"bf16 / labeling": 1.0, "int8 smooth / labeling": 1.25, "int8 smooth / decode": 1.27,
+                         "int8 dynamic / labeling": 1.22, "int8 dynamic / decode": 1.02}}
+    stale = {**record, "workload": {"model": "llama-1b"}, "date": "2026-12-05T18:30"}  # before the newer kinds
+    archive.write_text("\n".join(json.dumps(r) for r in (record, newer, stale, speed)) + "\n")
+    lines = calibrated_w8a8_advice(archive, device, "int8")
+    assert not any("llama-1b," in line or "llama-1b (" in line and "labeling job" in line for line in lines)
+    assert "W8A8 speed on llama-1b (random) (labeling-rows-16 + decode-32" in lines[3]
+    assert lines[4] == "    smooth: 1.25x on labeling, 1.27x on decode: pays on this CPU"
+    assert lines[5].startswith("    dynamic: 1.22x on labeling, 1.02x on decode: does not pay")
     assert calibrated_w8a8_advice(archive, device, None) == []
     assert calibrated_w8a8_advice(archive, {**device, "cores": 8}, "int8") == []  # another CPU kind: nothing

@@ -196,10 +196,12 @@ def build_record(config: BenchConfig, workload: Workload, engine_args: Any, mach
 def phases_of(workload: Workload, engine_args: Any, runs: dict[str, SystemRun], machine_ceiling: dict,
               bandwidth: dict | None) -> dict[str, Any] | None:
     """Each system's prefill and decode against the roofline (phase_report.py); None without a bandwidth, or for a
-    quantized run (the floor is the unquantized model's)."""
+    quantized run or model (the floor is the unquantized model's)."""
     from .phase_report import model_counts, phase_record
 
     if bandwidth is None or engine_args.quantization is not None:
         return None
     counts = model_counts(engine_args.model, engine_args.dtype)
+    if counts is None:
+        return None
     return phase_record(workload, runs, counts, bandwidth["bytes_per_s"], machine_ceiling["flops"])

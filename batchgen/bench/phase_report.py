@@ -15,16 +15,17 @@ from .table import _fmt, render_table
 from .workloads import Workload, shared_prefix_length
 
 
-def model_counts(model: str, dtype: str) -> ModelCounts:
-    """The model's shape and its unquantized weights in `dtype`, from its description (no weights read)."""
+def model_counts(model: str, dtype: str) -> ModelCounts | None:
+    """The model's shape and its unquantized weights in `dtype`, from its description (no weights read); None for a
+    checkpoint that holds int8 matrices (a converted GGUF, which the engine keeps in int8): no unquantized run."""
     import torch
 
-    from batchgen.job.plan.memory import inspect_model
+    from batchgen.job.plan.memory import inspect_model, stored_int8
     from batchgen.models.loader import resolve_model
 
     torch_dtype = getattr(torch, dtype)
     description, _ = inspect_model(resolve_model(model), torch_dtype, on_cpu=True)
-    return counts_of_description(description, torch_dtype)
+    return None if stored_int8(description) else counts_of_description(description, torch_dtype)
 
 
 def ratio(measured: float | None, floor: float) -> float | None:

@@ -128,12 +128,18 @@ LABELING_LABELS = ["positive", "negative", "neutral", "urgent"]  # the instructi
 
 class PromptTokenizer:
     """Chat-template a conversation and tokenize it the way batchgen.job.input.source does (template to text, then
-    tokens without extra special tokens)."""
+    tokens without extra special tokens). A model without a chat template (a base model) gets the text as a job with
+    `chat_template: false` sends it: the system text, a blank line, the user's, with the tokenizer's own special
+    tokens (a BOS, which such models need)."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self.chat = getattr(tokenizer, "chat_template", None) is not None
 
     def __call__(self, user: str, system: str | None = None) -> list[int]:
+        if not self.chat:
+            text = user if system is None else f"{system}\n\n{user}"
+            return list(self.tokenizer([text], add_special_tokens=True)["input_ids"][0])
         messages = ([{"role": "system", "content": system}] if system is not None else []) + \
                    [{"role": "user", "content": user}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -224,7 +230,7 @@ def synthetic_workload(name: str, num_rows: int, seed: int, tokenizer: Any, mode
     labeled = [row for row in rows if row.kind == "labeling"]
     if labeled:
         workload.notes.append(f"labeling rows share a {shared_prefix_length(labeled)}-token prefix "
-                              f"(system prompt + chat template)")
+                              f"(system prompt{' + chat template' if tokenize.chat else ', no chat template'})")
     if max_tokens_scale != 1.0:
         workload.notes.append(f"max_tokens scaled by {max_tokens_scale}")
     return workload

@@ -4,7 +4,8 @@ first, as the run would), then with every quality lever off (engine_args.QUALITY
 of the other levers this engine has). The gate says how often the greedy texts agree, how often the `choice` labels
 agree (jobs with choices), and the log-likelihood difference: per row, |the job's settings' log-likelihood - the
 reference's| of the tokens both produced, over the rows whose texts agree (for a `choice` row, the reference label's
-log-probability under each). A calibrated int8 uses the output's `_calibration.json` when it holds this job's
+log-probability under each). Rows whose reference run holds a near-tie (two candidates within NEAR_TIE nats) flip
+under any small change, so the agreement is also given over the rows the reference decides clearly. A calibrated int8 uses the output's `_calibration.json` when it holds this job's
 calibration (the same fingerprint: what a run or its resume would use), and says so; else it measures one, as the run
 would, and writes nothing."""
 from __future__ import annotations
@@ -26,6 +27,12 @@ class RowOutcome:
     text: str
     logprob: float | None  # the row's generated tokens' total log-probability; for `choice`, each label's
     labels: dict[str, float] | None = None  # choice -> its total logprob (choice rows)
+    margin: float | None = None  # how clearly greedy chose: the smallest gap in nats between a token's top two
+    # candidates over the row's tokens; for a choice row, between its two most likely labels
+
+
+NEAR_TIE = 0.25  # nats: a choice this close can flip under any change of kernel, batch or precision (two steps of
+# bf16 logits between 16 and 32: a bf16 reference's logprob gaps come in such steps)
 
 
 def levers_off(args: EngineArgs) -> tuple[EngineArgs, list[str]]:
@@ -64,6 +71,13 @@ def agreement_lines(reference: dict[int, RowOutcome], measured: dict[int, RowOut
     same = [row for row in rows if reference[row].text == measured[row].text]
     lines = [f"quality: the job's {', '.join(on)} against the same rows with them off",
              f"quality: greedy text agrees on {len(same)}/{len(rows)} rows ({len(same) / len(rows):.1%})"]
+    decided = [row for row in rows if reference[row].margin is not None and reference[row].margin >= NEAR_TIE]
+    if len(decided) < len(rows):
+        agree = sum(row in same for row in decided)
+        lines.append(f"quality: {len(rows) - len(decided)} of these rows hold a near-tie in the reference (two "
+                     f"candidates within {NEAR_TIE} nats), where any change of kernel or batch may flip them; on the "
+                     f"{len(decided)} it decides clearly, {agree}/{len(decided)} agree"
+                     + (f" ({agree / len(decided):.1%})" if decided else ""))
     labeled = [row for row in rows if reference[row].labels is not None]
     if labeled:
         agree = sum(reference[row].text == measured[row].text for row in labeled)
@@ -99,7 +113,7 @@ def _run(job: PreparedJob, args: EngineArgs, rows: list[int]) -> dict[int, RowOu
         for row in read_source(job.config, job.inputs, engine.tokenizer, engine.max_model_len, skip):
             if row.error is None and row.sampling is not None:
                 params = dataclasses.replace(row.sampling, temperature=0.0, n=1, seed=None,
-                                             logprobs=None if row.sampling.choice else 0)
+                                             logprobs=None if row.sampling.choice else 2)
                 requests.append(Request(row.row, row.token_ids, params, lora=row.lora))
         return {result.request_id: _outcome(result) for result in engine.generate(requests)}
     finally:
@@ -112,4 +126,10 @@ def _outcome(result: Any) -> RowOutcome:
     if result.choice_probs is not None and result.choice_logprobs is not None:
         labels = {choice: logprob for (choice, _), logprob in zip(result.choice_probs, result.choice_logprobs)}
     total = sum(result.logprobs) if result.logprobs else None
-    return RowOutcome(result.text, total, labels)
+    if labels is not None:
+        ranked = sorted(labels.values(), reverse=True)
+        margin = ranked[0] - ranked[1] if len(ranked) > 1 else None
+    else:
+        gaps = [top[0][2] - top[1][2] for top in result.top_logprobs or [] if len(top) > 1]
+        margin = min(gaps, default=None)
+    return RowOutcome(result.text, total, labels, margin)
