@@ -41,9 +41,7 @@ class EncoderLinear(nn.Module):
         self.dtype = dtype
         if packing_supported(torch.device("cpu"), dtype) and weight.device.type == "cpu":
             self.linear = PackedLinear(weight, bias)
-            self.linear.batch_invariant = True
-            if self.linear.invariant_rows is not None:  # AMX: calls of a fixed row count, an encoder's prefill size
-                self.linear.invariant_rows = AMX_INVARIANT_ROWS_PREFILL
+            self.linear.make_batch_invariant(AMX_INVARIANT_ROWS_PREFILL)  # oneDNN on AMX: an encoder's prefill size
         else:
             self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
             self.linear.weight = nn.Parameter(weight, requires_grad=False)

@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 REQUIRED_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
 SOURCE_DIR = cpu_build.CSRC / "amx"
-# The bf16 Linear (linear_amx.cpp) is a library of its own, built only where asked for (load_linear: the tests and
-# dev/microbench_linear_amx.py): the engine does not use it yet (docs/performance.md, "Issue 43").
+# The bf16 Linear (linear_amx.cpp) is a library of its own, built only where asked for (load_linear): batch-invariant
+# bf16 runs every Linear on its tile path (models/packed_linear.py); otherwise the engine keeps oneDNN's matmul
+# (docs/performance.md, "Issue 43").
 LINEAR_SOURCE = SOURCE_DIR / "linear_amx.cpp"
 HEADERS = tuple(cpu_build.HEADERS) + tuple(sorted(SOURCE_DIR.glob("*.h")))
 SPEC = cpu_build.LibrarySpec("batchgen_cpu_amx.so",

@@ -10,12 +10,14 @@
 //
 // Rows up to `tile_rows` (the caller's crossover): the rows are copied into a zero-padded [Mp][Kp] buffer (Mp: 16s),
 // the threads split the column blocks (at::parallel_for), and each block is 2 x 2 tiles (32 rows x 32 columns, 1 x 2
-// for a last 16 rows) accumulated over all of K in fp32, then rounded to bf16 (+ bias). A row's result does not depend
-// on the other rows (each of its sums is the same sequence of tile products). More rows: brgemm per 128 x 32 block,
-// the column blocks in chunks that stay in L2 while every row block passes over them.
+// for a last 16 rows) accumulated over all of K in fp32, then rounded to bf16 (+ bias); the column blocks in chunks
+// that stay in L2 while every 32 rows pass over them. A row's result depends neither on the other rows nor on the
+// thread count (each of its sums is the same sequence of tile products, whichever thread runs its block): the engine's
+// batch-invariant bf16 runs every row count here (models/packed_linear.py). More rows: brgemm per 128 x 32 block, in
+// the same chunks.
 //
-// A library of its own (amx.LINEAR, loaded by amx.load_linear): the engine does not call it yet, see
-// docs/performance.md ("Issue 43"): its tile path beats oneDNN up to 32 rows, its brgemm path loses to it on prefills.
+// A library of its own (amx.LINEAR, loaded by amx.load_linear). Outside batch-invariant mode the engine keeps oneDNN
+// (docs/performance.md, "Issue 43"): the tile path beats it up to 32 rows, brgemm loses to it on prefills.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
@@ -95,23 +97,27 @@ void tile_block(const Problem& p, int64_t row0, int64_t nb, float* c) {
   p.store(c, row0, std::min<int64_t>(kTwoRows ? 32 : 16, p.rows - row0), nb);
 }
 
+// The column blocks in chunks that stay in L2 while every 32 rows pass over them (a decode step's rows: one pass).
+int64_t l2_chunk(const Problem& p) { return std::max<int64_t>(1, kL2Bytes / (p.kp * kBlockN * 2)); }
+
 void tile_gemm(const Problem& p, int64_t padded_rows) {
+  const int64_t chunk = l2_chunk(p);
   at::parallel_for(0, round_up(p.n, kBlockN) / kBlockN, 0, [&](int64_t begin, int64_t end) {
     alignas(64) float c[32 * kBlockN];
     amx::configure();
-    for (int64_t nb = begin; nb < end; ++nb)
-      for (int64_t row0 = 0; row0 < padded_rows; row0 += 32) {
-        if (padded_rows - row0 >= 32) tile_block<true>(p, row0, nb, c);
-        else tile_block<false>(p, row0, nb, c);
-      }
+    for (int64_t first = begin; first < end; first += chunk)
+      for (int64_t row0 = 0; row0 < padded_rows; row0 += 32)
+        for (int64_t nb = first; nb < std::min(end, first + chunk); ++nb) {
+          if (padded_rows - row0 >= 32) tile_block<true>(p, row0, nb, c);
+          else tile_block<false>(p, row0, nb, c);
+        }
     amx::release();
   });
 }
 
 // The many-row path: oneDNN's brgemm on the same packed blocks (A unpadded in rows; lda = kp).
 void brgemm_gemm(const Problem& p) {
-  const int64_t blocks = round_up(p.n, kBlockN) / kBlockN;
-  const int64_t chunk = std::max<int64_t>(1, kL2Bytes / (p.kp * kBlockN * 2));
+  const int64_t blocks = round_up(p.n, kBlockN) / kBlockN, chunk = l2_chunk(p);
   at::parallel_for(0, blocks, 0, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kBrgemmRows * kBlockN];
     for (int64_t first = begin; first < end; first += chunk)
