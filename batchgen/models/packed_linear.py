@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 PACK_HINT_ROWS = 64  # rows the layout is tuned for (measured: any hint >= 16 gives the same speed from 1 to 1,024 rows)
 # On a CPU with AMX, oneDNN's bf16 matmul picks its blocking by the row count: a row's bits differ between calls of,
 # say, 40 and 600 rows (1,536->576), or 2,000 and 8,192 (576->1,536). Calls of one fixed row count agree, whatever a row's place in them: so where a row's
-# result must not depend on its company, bf16 on AMX runs in calls of exactly this many rows, the last one padded.
+# result must not depend on its company and the AMX Linear does not load, bf16 on AMX runs in calls of exactly this
+# many rows, the last one padded (still not the same bits at another thread count).
 # 128 for a decoder, whose decode steps are small; 1,024 for an encoder, whose calls are prefills of thousands of
 # rows (at 4,000 rows of all-MiniLM's shapes, 128-row calls took 1.4-2.3x one call's time, 1,024-row ones 1.0-1.2x).
 AMX_INVARIANT_ROWS = 128
