@@ -107,8 +107,6 @@ def check_invariance(model_dir: Path, dtype: str, quantization: str | None, pree
         if name == "preempted":
             variant = {**variant, "kv_cache_memory": preempting_pool}
         if name == "other threads":
-            if dtype == "bfloat16" and quantization is None and _has_amx():
-                continue  # README, "Determinism": oneDNN's AMX bf16 matmul splits its sums by the thread count
             variant = {**variant, "threads": 1 if torch.get_num_threads() > 1 else 2}
         results, stats = run(model_dir, dtype, quantization, **variant)
         if name == "preempted":
@@ -117,12 +115,6 @@ def check_invariance(model_dir: Path, dtype: str, quantization: str | None, pree
             assert stats["num_steps"] > NUM_PROMPTS  # 40-token steps: every long prompt in several chunks
         differing = [i for i in range(NUM_PROMPTS) if results[i] != reference[i]]
         assert not differing, f"{name}: rows {differing} differ from the one-batch run"
-
-
-def _has_amx() -> bool:
-    from batchgen.machine import cpu_flags
-
-    return "amx_bf16" in (cpu_flags() or set())
 
 
 @pytest.mark.parametrize("dtype,quantization", DTYPES, ids=[f"{d}-{q or 'plain'}" for d, q in DTYPES])

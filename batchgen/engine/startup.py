@@ -135,13 +135,18 @@ def set_up(args: EngineArgs) -> EngineSetup:
             logger.info("linear layers: oneDNN, %d weights packed", packed)
         if upcast:
             logger.info("linear layers: %d bf16 weights multiplied in fp32 (no native bf16 on this CPU)", upcast)
-    if device.type == "cpu":  # the loader's freed plain copies back to the system (host_malloc.py)
-        release_freed_memory()
     if args.batch_invariant:  # Linear layers that switch kernels by row count take one path (packed/upcast_linear.py,
         # quantization.py)
         for module in model.modules():
-            if isinstance(module, (PackedLinear, UpcastLinear, Int8Linear)):
+            if isinstance(module, PackedLinear):
+                module.make_batch_invariant()
+            elif isinstance(module, (UpcastLinear, Int8Linear)):
                 module.batch_invariant = True
+        amx = sum(isinstance(module, PackedLinear) and module.kernel == "amx" for module in model.modules())
+        if amx:
+            logger.info("batch-invariant linear layers: %d bf16 weights repacked for the AMX Linear's tiles", amx)
+    if device.type == "cpu":  # the loader's freed plain copies back to the system (host_malloc.py)
+        release_freed_memory()
     model.use_elementwise(get_elementwise(device, fused=not args.enforce_eager))
     eos = eos_token_ids(model_dir, tokenizer)
     if description is None:  # the checkpoint loaded, so its config and headers read now

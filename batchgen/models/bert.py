@@ -3,7 +3,8 @@ concatenated, no padding, through the embeddings, the Linear layers and the MLP;
 one SDPA call per run of rows of one length (the engine hands rows sorted by length).
 
 A row's numbers do not depend on the rows beside it: the Linear layers are oneDNN-packed with one row computed as
-two (packed_linear.py: from 2 rows on a row's bits do not depend on the row count), LayerNorm and GELU are per
+two (packed_linear.py: from 2 rows on a row's bits do not depend on the row count; bf16 on AMX: the AMX Linear's
+tiles, whose bits depend neither on the rows nor on the thread count), LayerNorm and GELU are per
 token, and attention reads only the row's own keys (an SDPA call's batch of equal-length rows is computed one
 (row, head) at a time). The residual stream and the norms stay in fp32; with bf16 the Linear layers, attention and
 the MLP's activation compute in bf16 (all-MiniLM-L6-v2's embeddings stay above cosine 0.9999 against
@@ -41,9 +42,7 @@ class EncoderLinear(nn.Module):
         self.dtype = dtype
         if packing_supported(torch.device("cpu"), dtype) and weight.device.type == "cpu":
             self.linear = PackedLinear(weight, bias)
-            self.linear.batch_invariant = True
-            if self.linear.invariant_rows is not None:  # AMX: calls of a fixed row count, an encoder's prefill size
-                self.linear.invariant_rows = AMX_INVARIANT_ROWS_PREFILL
+            self.linear.make_batch_invariant(AMX_INVARIANT_ROWS_PREFILL)  # oneDNN on AMX: an encoder's prefill size
         else:
             self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
             self.linear.weight = nn.Parameter(weight, requires_grad=False)

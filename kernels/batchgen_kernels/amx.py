@@ -28,8 +28,14 @@ logger = logging.getLogger(__name__)
 REQUIRED_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
 SOURCE_DIR = cpu_build.CSRC / "amx"
-SPEC = cpu_build.LibrarySpec("batchgen_cpu_amx.so", tuple(sorted(SOURCE_DIR.glob("*.cpp"))),
-                             tuple(cpu_build.HEADERS) + tuple(sorted(SOURCE_DIR.glob("*.h"))), FLAGS)
+# The bf16 Linear (linear_amx.cpp) is a library of its own, built only where asked for (load_linear): batch-invariant
+# bf16 runs every Linear on its tile path (models/packed_linear.py); otherwise the engine keeps oneDNN's matmul
+# (docs/performance.md, "Issue 43").
+LINEAR_SOURCE = SOURCE_DIR / "linear_amx.cpp"
+HEADERS = tuple(cpu_build.HEADERS) + tuple(sorted(SOURCE_DIR.glob("*.h")))
+SPEC = cpu_build.LibrarySpec("batchgen_cpu_amx.so",
+                             tuple(sorted(set(SOURCE_DIR.glob("*.cpp")) - {LINEAR_SOURCE})), HEADERS, FLAGS)
+LINEAR = cpu_build.LibrarySpec("batchgen_cpu_amx_linear.so", (LINEAR_SOURCE,), HEADERS, FLAGS)
 # The same kernel on the tiles' scalar emulation (amx_tiles.h), which runs on any CPU: how the kernel's packing,
 # tiling and softmax are tested where there is no AMX (tests/test_cpu_kernels_amx.py). Never loaded by a run.
 EMULATED = dataclasses.replace(SPEC, name="batchgen_cpu_amx_emulated.so", flags=("-DBATCHGEN_AMX_EMULATE",))
@@ -96,3 +102,21 @@ def _register_fake() -> None:
     @torch.library.register_fake("batchgen::paged_prefill_amx_")
     def _(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, first_seq, scale, window, out):
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def load_linear() -> None:
+    """Build (once per machine) and load the AMX bf16 Linear: torch.ops.batchgen.linear_amx_pack / linear_amx. Only
+    where status() is available (the tile state granted)."""
+    if not available():
+        raise RuntimeError(f"no AMX tiles here: {status().reason}")
+    cpu_build.build_and_load(LINEAR)
+
+    @torch.library.register_fake("batchgen::linear_amx_pack")
+    def _(weight):
+        blocks, padded_k = -(-weight.shape[0] // 32), -(-weight.shape[1] // 32) * 32
+        return weight.new_empty(blocks, padded_k // 2, 32, 2)
+
+    @torch.library.register_fake("batchgen::linear_amx")
+    def _(x, packed, bias, n, tile_rows):
+        return x.new_empty(*x.shape[:-1], n)
