@@ -89,28 +89,30 @@ def test_preemption_and_prefix_caching_keep_every_row(model_dir):
 
 
 @pytest.mark.slow
-def test_agreement_with_the_model_dtype_cache_on_the_default_model():
-    """The bench's labeling workload on the default model in bf16: choice labels (exact scoring) and free greedy rows
-    with the int8 cache against the bf16 one. The floors are below what was measured on an AMX Xeon (docs/performance.md,
-    "Issue 43: KV int8": 93% of labels, 81% of rows at 128 rows): this model is near-tie bound on this workload, two
-    bf16 kernels (AMX and AVX512_BF16 prefill, the same bf16 cache) agreeing on 94% of labels and 83% of rows."""
+def test_agreement_with_the_model_dtype_cache_on_the_default_model(default_model_dir):
+    """The bench's labeling workload on the default model's float weights in fp32 (where two attention backends give
+    the same rows, so what moves is the cache's doing): choice labels (exact scoring) and free greedy rows with the
+    int8 cache against the fp32 one. Every label the fp32 run decides by a margin of 0.05 or more is kept; the floors
+    are below what was measured on an AMX Xeon (docs/performance.md, "Issue 43: KV int8": 98% of labels, 88% of rows
+    at 128 rows, every decided label kept)."""
     from batchgen.bench.workloads import LABELING_LABELS, synthetic_workload
 
     outputs = {}
     for kv in ("auto", "int8"):
-        engine = Engine(EngineArgs(model="default", dtype="bfloat16", kv_cache_dtype=kv))
+        engine = Engine(EngineArgs(model=str(default_model_dir), dtype="float32", kv_cache_dtype=kv))
         rows = synthetic_workload("labeling", 64, 0, engine.tokenizer).rows
         free = {r.request_id: r.token_ids for r in engine.generate(
             Request(row.id, row.token_ids, SamplingParams(max_tokens=row.max_tokens, temperature=0.0)) for row in rows)}
-        labels = {r.request_id: max(r.choice_probs, key=lambda c: c[1])[0] for r in engine.generate(
+        probs = {r.request_id: sorted(r.choice_probs, key=lambda c: -c[1]) for r in engine.generate(
             Request(row.id, row.token_ids, SamplingParams(max_tokens=8, temperature=0.0, choice=LABELING_LABELS))
             for row in rows)}
-        outputs[kv] = free, labels
-    (free_bf16, labels_bf16), (free_int8, labels_int8) = outputs["auto"], outputs["int8"]
-    label_share = sum(labels_bf16[i] == labels_int8[i] for i in labels_bf16) / len(labels_bf16)
-    row_share = sum(free_bf16[i] == free_int8[i] for i in free_bf16) / len(free_bf16)
-    assert label_share >= 0.9, label_share
-    assert row_share >= 0.7, row_share
+        outputs[kv] = free, probs
+    (free_base, probs_base), (free_int8, probs_int8) = outputs["auto"], outputs["int8"]
+    same = {i: probs_base[i][0][0] == probs_int8[i][0][0] for i in probs_base}
+    decided = [i for i, p in probs_base.items() if p[0][1] - p[1][1] >= 0.05]
+    assert len(decided) >= 48 and all(same[i] for i in decided), [i for i in decided if not same[i]]
+    assert sum(same.values()) / len(same) >= 0.95, sum(same.values())
+    assert sum(free_base[i] == free_int8[i] for i in free_base) / len(free_base) >= 0.8
 
 
 def test_a_job_reports_the_halved_bytes_in_success(tmp_path, default_int8_dir):
@@ -147,7 +149,20 @@ def test_plan_advice_reads_this_cpu_kinds_record(tmp_path):
     archive = tmp_path / "archive.jsonl"
     archive.write_text(json.dumps(record) + "\n")
     short = advise_kv_cache(archive, device, "auto", 300, pool_limited=False)
-    assert "decode step, 16 rows of 4,096 tokens: 180 ms, int8 120 ms (1.50x)" in short[1]
+    assert "decode step, 16 rows of 4,096 tokens (2026-12-05, model default, bfloat16): 180 ms, int8 120 ms (1.50x)" \
+        in short[1]
+    assert "the same choice label on 99% of rows, the same free greedy text on 80%" in short[2]
+    other = {**record, "model": "gemma3-270m", "date": "2026-12-06T00:00:00", "decode": None}
+    other["labeling"] = {**record["labeling"], "agreement": {"label_share": 0.9, "identical_share": 0.8,
+                                                             "decided_labels": 9, "decided_same_labels": 9}}
+    archive.write_text(json.dumps(record) + "\n" + json.dumps({k: v for k, v in other.items() if v}) + "\n")
+    both = advise_kv_cache(archive, device, "auto", 300, pool_limited=False)
+    assert "(1.50x)" in both[1] and "model default" in both[2]  # the default model's labeling wins, older or not
+    other["model"] = "default"
+    archive.write_text(json.dumps(record) + "\n" + json.dumps({k: v for k, v in other.items() if v}) + "\n")
+    newer = advise_kv_cache(archive, device, "auto", 300, pool_limited=False)
+    assert "(1.50x)" in newer[1] and "90% of rows (9/9 of those not near a tie)" in newer[2]
+    archive.write_text(json.dumps(record) + "\n")
     assert short[-1].strip().startswith("engine.kv_cache_dtype: int8 would not pay for this job")
     assert "would pay" in advise_kv_cache(archive, device, "auto", 3000, pool_limited=False)[-1]
     assert "pays for this job: the KV pool limits" in advise_kv_cache(archive, device, "int8", 300, True)[-1]

@@ -109,3 +109,35 @@ def test_amx_prefill_reads_int8(window):
                                                md.num_decodes, 0.125, -1 if window is None else window, out)
     expected = reference.paged_attention(q, k8, v8, md, 0.125, window, kv_scales=scales)
     assert_close(out[1:], expected[1:])
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_the_layer_turns_q_and_k_over_an_int8_cache_so_outlier_channels_cost_less(head_dim):
+    """batchgen.models.attention: over an int8 cache the layer multiplies q and k by an orthonormal Hadamard matrix.
+    Keys with a few large channels (as trained models' keys have) lose most of their small channels to a per-token
+    int8 scale unturned; turned, the error falls."""
+    from attention_cases import BlockTables, make_metadata
+    from batchgen.models.attention import Attention, hadamard
+
+    rotation = hadamard(head_dim, torch.device("cpu"))
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(head_dim), atol=1e-6, rtol=0)
+    lens, kv_heads, heads = [37, 120], 2, 6
+    gen = torch.Generator().manual_seed(0)
+    tables = BlockTables(lens, 16, gen)
+    md = make_metadata(lens, lens, tables)
+    q, k, v = (torch.randn(sum(lens), n, head_dim, generator=gen) for n in (heads, kv_heads, kv_heads))
+    k[..., :3] *= 25
+
+    def attend(dtype, turned=True):
+        layer = Attention(heads, kv_heads, head_dim, head_dim ** -0.5)
+        shape = (tables.num_blocks, 16, kv_heads, head_dim)
+        scales = (torch.zeros(shape[:3]), torch.zeros(shape[:3])) if dtype == torch.int8 else None
+        layer.bind_kv_cache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), "torch", scales)
+        assert (layer.rotation is not None) == (dtype == torch.int8)
+        if not turned:
+            layer.rotation = None
+        return layer(q, k, v, md)
+
+    exact = attend(torch.float32)
+    error = {turned: ((attend(torch.int8, turned) - exact).norm() / exact.norm()).item() for turned in (True, False)}
+    assert error[True] < 0.5 * error[False], error

@@ -194,7 +194,9 @@ def test_quantization_is_part_of_the_resume_fingerprint_only_when_on():
     assert "quantization" not in plain  # outputs written before the setting existed still resume
     assert describe_changes(plain, int8) == describe_changes(int8, plain) == "quantization changed"
     kv = job_fingerprint(parse_job({**raw, "engine": {"kv_cache_dtype": "int8"}}), "default", no_inputs)
-    assert "kv_cache_dtype" not in plain and describe_changes(plain, kv) == "kv_cache_dtype changed"
+    assert "kv_cache_dtype" not in plain and describe_changes(plain, kv) == "kv_cache_dtype, kv_int8_keys changed"
+    before_turned_keys = {key: value for key, value in kv.items() if key != "kv_int8_keys"}
+    assert describe_changes(before_turned_keys, kv) == "kv_int8_keys changed"  # such an output does not resume
     guessing = job_fingerprint(parse_job({**raw, "engine": {"speculative": {"method": "ngram"}}}), "default",
                                no_inputs)
     assert guessing == plain  # speculation changes no output: a run may resume with it turned on or off

@@ -243,8 +243,10 @@ def job_fingerprint(config: JobConfig, model: str, inputs: InputFiles, target: E
         **({"quantization_scales": hashlib.sha256(json.dumps(config.engine.quantization_scales, sort_keys=True)
                                                   .encode()).hexdigest()[:16]}
            if getattr(config.engine, "quantization_scales", None) else {}),
-        # an int8 KV cache rounds K and V (outputs change); speculation does not change them, so it is not here
-        **({"kv_cache_dtype": config.engine.kv_cache_dtype} if config.engine.kv_cache_dtype != "auto" else {}),
+        # an int8 KV cache rounds K and V (outputs change); speculation does not change them, so it is not here.
+        # Its keys are stored turned by a Hadamard matrix since (models/attention.py): earlier int8 outputs differ
+        **({"kv_cache_dtype": config.engine.kv_cache_dtype, "kv_int8_keys": "hadamard"}
+           if config.engine.kv_cache_dtype != "auto" else {}),
         # a shorter context cuts rows short (finish_reason length); absent when unset, for the same reason
         **({"max_model_len": config.engine.max_model_len} if config.engine.max_model_len else {}),
         # batch-invariant arithmetic gives some rows other bits than the default's; absent when off, as above

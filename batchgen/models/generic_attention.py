@@ -71,7 +71,8 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     sinks = kwargs.get("s_aux")
     if binding.softcap is None and sinks is None:
         out = attention(q, k, v, md)
-    else:
+    else:  # the int8 cache's turn of q and k (Attention) leaves the scores as they are: softcap and sinks apply
+        q, k = attention.turned(q, k)
         out = _torch_attention(attention, q, k, v, md, binding.softcap, sinks)
     return out[..., :binding.value_dim].unsqueeze(0), None
 
