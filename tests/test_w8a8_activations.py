@@ -17,6 +17,7 @@ from torch import nn
 from batchgen.engine import Engine, EngineArgs
 from batchgen.engine.calibration import _as_linear, _next_token_logits, measure, quantizable_layers
 from batchgen.engine.errors import SettingError
+from batchgen.engine.engine_args import SMOOTH_ALPHAS
 from batchgen.models.int8_activations import fold_smoothing, smoothing_factors
 from batchgen.models.quantization import DEFAULT_KEEP, Int8Linear, is_kept
 from cli_runs import kill_after_parts, run_cli
@@ -74,6 +75,7 @@ def calibrated(tiny_llama_dir):
                                enable_prefix_caching=False))
     layers = [name for name in quantizable_layers(engine.model) if not is_kept(name, DEFAULT_KEEP)]
     found = {choice: measure(engine, PROMPTS, layers, choice) for choice in ("dynamic", "static", "smooth")}
+    found["smooth at 0.5"] = measure(engine, PROMPTS, layers, "smooth", alpha=0.5, sensitivities=False)
     reference = next_logits(engine)
     del engine
     return reference, found
@@ -87,6 +89,11 @@ def next_logits(engine) -> torch.Tensor:
 def test_static_and_smoothed_activations_stay_close_to_the_float_model(tiny_llama_dir, calibrated, choice):
     reference, found = calibrated
     scales = found[choice].scales
+    if choice == "smooth":  # no alpha given: each of the grid tried with every layer in int8, the nearest taken
+        searched = found["smooth"].alpha_kl
+        assert set(searched) == set(SMOOTH_ALPHAS) and found["smooth"].alpha == min(searched, key=searched.get)
+        assert found["smooth at 0.5"].alpha == 0.5 and found["smooth at 0.5"].alpha_kl == {}
+        assert (found["smooth at 0.5"].scales == scales) == (found["smooth"].alpha == 0.5)
     assert set(scales) == set(found[choice].channel_max) and len(scales) == 3 * 2
     assert all(isinstance(v, float) if choice == "static" else len(v) > 1 for v in scales.values())
     engine = Engine(EngineArgs(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory="16MiB",

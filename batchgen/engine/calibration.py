@@ -9,6 +9,8 @@ KL divergence (nats) of the next-token distributions from the unquantized ones, 
 greedy next token changed. With activations static or smooth (EngineArgs.quantization_calibration), each layer's
 scale or smoothing factors come from the ranges first (activation_scales) and the swapped layer uses them: the
 sensitivities are those of the variant the run will use. choose_keep keeps quantization.DEFAULT_KEEP and every layer above the threshold.
+Smooth without a given alpha tries each of SMOOTH_ALPHAS with every measured layer in W8A8 at once and takes the one
+whose next-token distributions move least (choose_alpha): SmoothQuant's alpha is the model's, and a few passes find it.
 
 The engine is driven through its public API (add_request, step); the hooks and the swaps are on its model."""
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import nn
 
 from ..models.int8_activations import smoothing_factors
 from ..models.quantization import DEFAULT_KEEP, Int8Linear, is_kept, is_quantized
-from .engine_args import DEFAULT_SMOOTH_ALPHA, EngineArgs
+from .engine_args import SMOOTH_ALPHAS, EngineArgs
 from .request import Request, SamplingParams
 
 logger = logging.getLogger("batchgen")
@@ -46,6 +48,8 @@ class Measurement:
     channel_max: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> [in] each input channel's max |x|
     token_max: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> [tokens] each token's max |x|
     scales: dict[str, float | list[float]] = field(default_factory=dict)  # EngineArgs.quantization_scales
+    alpha: float | None = None  # smooth: the alpha the scales were made with
+    alpha_kl: dict[float, float] = field(default_factory=dict)  # smooth, alpha searched: alpha -> mean KL (nats)
 
 
 def calibration_args(args: EngineArgs, prompts: int) -> EngineArgs:
@@ -60,9 +64,9 @@ def quantizable_layers(model: nn.Module) -> list[str]:
 
 
 def measure(engine, prompts: list[list[int]], layers: list[str] | None = None, activations: str = "dynamic",
-            alpha: float = DEFAULT_SMOOTH_ALPHA, sensitivities: bool = True) -> Measurement:
-    """Ranges, scales (activations static or smooth) and, unless told not to, sensitivities of `layers` (default:
-    every quantizable one) of `engine`'s unquantized model."""
+            alpha: float | None = None, sensitivities: bool = True) -> Measurement:
+    """Ranges, scales (activations static or smooth; smooth's alpha searched when None) and, unless told not to,
+    sensitivities of `layers` (default: every quantizable one) of `engine`'s unquantized model."""
     model = engine.model
     layers = quantizable_layers(model) if layers is None else layers
     result = Measurement()
@@ -76,9 +80,12 @@ def measure(engine, prompts: list[list[int]], layers: list[str] | None = None, a
     for name, (channels, tokens) in seen.items():
         result.channel_max[name], result.token_max[name] = channels, torch.cat(tokens)
         result.ranges[name] = (float(channels.max()), float(result.token_max[name].mean()))
-    result.scales = activation_scales(model, result, activations, alpha)
     reference_logp = F.log_softmax(reference, dim=-1)
     greedy = reference.argmax(dim=-1)
+    if activations == "smooth" and alpha is None:
+        alpha = choose_alpha(engine, prompts, layers, result, reference_logp)
+    result.alpha = alpha if activations == "smooth" else None
+    result.scales = activation_scales(model, result, activations, alpha)
     for i, name in enumerate(layers if sensitivities else []):
         original = model.get_submodule(name)
         _swap(model, name, _w8a8(original, result.scales.get(name)))
@@ -86,13 +93,35 @@ def measure(engine, prompts: list[list[int]], layers: list[str] | None = None, a
             logits = _next_token_logits(engine, prompts)
         finally:
             _swap(model, name, original)
-        logp = F.log_softmax(logits, dim=-1)
-        kl = (reference_logp.exp() * (reference_logp - logp)).sum(dim=-1)
-        result.sensitivity[name] = float(kl.mean())
+        result.sensitivity[name] = _mean_kl(reference_logp, logits)
         result.flips[name] = float((logits.argmax(dim=-1) != greedy).float().mean())
         logger.info("calibration: %d/%d %s KL %.2e", i + 1, len(layers), name, result.sensitivity[name])
     gc.collect()
     return result
+
+
+def choose_alpha(engine, prompts: list[list[int]], layers: list[str], found: Measurement,
+                 reference_logp: torch.Tensor) -> float:
+    """The alpha of SMOOTH_ALPHAS whose W8A8 model (every layer of `layers` smoothed at it) gives the next-token
+    distributions nearest the unquantized ones (mean KL); each tried alpha's KL goes to found.alpha_kl."""
+    model = engine.model
+    originals = {name: model.get_submodule(name) for name in layers}
+    for alpha in SMOOTH_ALPHAS:
+        scales = activation_scales(model, found, "smooth", alpha)
+        try:
+            for name, original in originals.items():
+                _swap(model, name, _w8a8(original, scales.get(name)))
+            found.alpha_kl[alpha] = _mean_kl(reference_logp, _next_token_logits(engine, prompts))
+        finally:
+            for name, original in originals.items():
+                _swap(model, name, original)
+        logger.info("calibration: smooth alpha %.2f, every layer in int8: KL %.2e", alpha, found.alpha_kl[alpha])
+    return min(found.alpha_kl, key=found.alpha_kl.get)
+
+
+def _mean_kl(reference_logp: torch.Tensor, logits: torch.Tensor) -> float:
+    logp = F.log_softmax(logits, dim=-1)
+    return float((reference_logp.exp() * (reference_logp - logp)).sum(dim=-1).mean())
 
 
 def activation_scales(model: nn.Module, found: Measurement, activations: str, alpha: float

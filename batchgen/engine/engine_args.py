@@ -18,7 +18,10 @@ CALIBRATION_ACTIVATIONS = ("dynamic", "static", "smooth")
 # smooth kept 39/40 of the labeling job's `choice` labels against dynamic's 37 and static's 33, as fast as dynamic
 # (docs/performance.md, "Issue 43: static and smoothed activation scales")
 DEFAULT_CALIBRATION_ACTIVATIONS = "smooth"
-DEFAULT_SMOOTH_ALPHA = 0.5
+# Without quantization_calibration.alpha, smooth takes the alpha of this grid whose W8A8 model (every calibrated layer
+# smoothed at it) moves the calibration rows' next-token distributions least (engine/calibration.py, choose_alpha).
+# SmoothQuant's best alpha is the model's; on the 135M labeling job the search took 0.5 (docs/performance.md)
+SMOOTH_ALPHAS = (0.35, 0.5, 0.65, 0.8)
 # The settings that trade quality for speed, each with its "off" value: `batchgen plan --quality N` compares the job's
 # settings with these off (job/plan/quality.py). Only those EngineArgs has are reset.
 QUALITY_LEVERS = {"quantization": None, "quantization_calibration": None, "quantization_keep": None,
@@ -160,7 +163,7 @@ class EngineArgs:
             if cal.get("activations", DEFAULT_CALIBRATION_ACTIVATIONS) not in CALIBRATION_ACTIVATIONS:
                 raise SettingError("quantization_calibration.activations", f"quantization_calibration.activations "
                                    f"must be one of {', '.join(CALIBRATION_ACTIVATIONS)}, got {cal['activations']!r}")
-            alpha = cal.get("alpha", DEFAULT_SMOOTH_ALPHA)
+            alpha = cal.get("alpha", SMOOTH_ALPHAS[0])
             if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < 1:
                 raise SettingError("quantization_calibration.alpha",
                                    f"quantization_calibration.alpha must be a number in (0, 1), got {alpha!r}")

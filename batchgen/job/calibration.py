@@ -70,14 +70,14 @@ def measure_job(config, inputs, args: EngineArgs) -> dict[str, Any]:
     """Open an unquantized engine, build the calibration rows with its tokenizer, measure, choose; the record."""
     from batchgen.engine.calibration import (DEFAULT_THRESHOLD, calibration_args, choose_keep, measure,
                                              quantizable_layers)
-    from batchgen.engine.engine_args import DEFAULT_CALIBRATION_ACTIVATIONS, DEFAULT_SMOOTH_ALPHA
+    from batchgen.engine.engine_args import DEFAULT_CALIBRATION_ACTIVATIONS
     from batchgen.engine.engine import Engine
     from batchgen.models.quantization import DEFAULT_KEEP, is_kept
 
     cal = args.quantization_calibration
     threshold = float(cal.get("threshold", DEFAULT_THRESHOLD))
     activations = cal.get("activations", DEFAULT_CALIBRATION_ACTIVATIONS)
-    alpha = float(cal.get("alpha", DEFAULT_SMOOTH_ALPHA))
+    alpha = float(cal["alpha"]) if "alpha" in cal else None  # None: searched (engine/calibration.py)
     rows = calibration_rows(inputs.total_rows, int(cal["rows"]))
     started = time.monotonic()
     engine = Engine(calibration_args(args, len(rows)))
@@ -97,7 +97,8 @@ def measure_job(config, inputs, args: EngineArgs) -> dict[str, Any]:
                 time.monotonic() - started)
     kept = {name for name in found.scales if is_kept(name, tuple(keep))}
     return {"rows": [row for row, _ in built], "threshold": threshold, "keep": keep, "activations": activations,
-            **({"alpha": alpha} if activations == "smooth" else {}),
+            **({"alpha": found.alpha} if activations == "smooth" else {}),
+            **({"alpha_search": {str(a): round(kl, 8) for a, kl in found.alpha_kl.items()}} if found.alpha_kl else {}),
             "activation_scales": {name: value for name, value in found.scales.items() if name not in kept},
             "sensitivity": {name: round(value, 8) for name, value in found.sensitivity.items()},
             "flips": {name: round(value, 4) for name, value in found.flips.items()},
@@ -122,6 +123,7 @@ def calibration_summary(record: dict[str, Any] | None) -> dict[str, Any] | None:
     scales = record.get("activation_scales") or {}
     return {"rows": record["rows"], "threshold": record["threshold"], "keep": record["keep"],
             "activations": activations, **({"alpha": record["alpha"]} if "alpha" in record else {}),
+            **({"alpha_search": record["alpha_search"]} if "alpha_search" in record else {}),
             # static: each layer's input scale; smooth: how many layers were smoothed (the factors are in the record)
             **({"static_scales": scales} if activations == "static" else {}),
             **({"smoothed_layers": len(scales)} if activations == "smooth" else {}),
