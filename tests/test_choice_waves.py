@@ -184,6 +184,11 @@ def test_a_choice_of_many_labels_stays_in_its_memory_estimate(tmp_path):
     """Two rows of NUM_LABELS labels of 6 tokens each: more candidates than a step's budget holds, which all at once
     made one step copy a partial block per candidate, every layer at once; more blocks than the pool; and, were
     every label one sequence after the prompt, more tokens than the context."""
+    from batchgen.models.loader import resolve_model
+    from batchgen_kernels import cpu_build
+
+    resolve_model("default")  # converted and the kernels built before the plan: its estimate and the run are then a
+    cpu_build.load()          # warm cache's, whichever test reached them first (a cold plan counts the conversion)
     tickets = ["I was charged twice for my order last week.", "The app crashes every time I open the camera."]
     pq.write_table(pa.table({"id": [0, 1], "ticket": tickets}), tmp_path / "in.parquet")
     job = tmp_path / "job.yaml"

