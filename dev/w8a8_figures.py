@@ -82,10 +82,12 @@ def run(job: Path) -> dict:
 VARIANTS = ("dynamic", "static", "smooth")  # quantization_calibration.activations
 
 
-def calibrate(root: Path, model: str, variant: str, rows: int, gate_rows: int) -> dict:
+def calibrate(root: Path, model: str, variant: str, rows: int, gate_rows: int, alpha: float | None = None) -> dict:
     """One calibrated run of the labeling job (its _calibration.json), the gate on it (which reads that file back)
-    and the choice gate with the calibration's layers and scales set by hand (another job: another fingerprint)."""
-    engine = {"quantization": "int8", "quantization_calibration": {"rows": rows, "activations": variant}}
+    and the choice gate with the calibration's layers and scales set by hand (another job: another fingerprint).
+    `alpha`: smooth's, set (none: the calibration searches it)."""
+    engine = {"quantization": "int8", "quantization_calibration": {
+        "rows": rows, "activations": variant, **({"alpha": alpha} if alpha is not None and variant == "smooth" else {})}}
     job = job_file(root, f"cal-{variant}", model, engine, False)
     run(job)
     record = json.loads((root / f"cal-{variant}" / "_calibration.json").read_text())
@@ -139,6 +141,7 @@ def main() -> None:
                         "(the quantile of the tokens' largest |x| a static scale is made from; default: 1.0, the max)")
     parser.add_argument("--decode", type=int, default=0, help="time a decode-heavy variant of the job instead: "
                         "this many output tokens per row, end of sequence ignored (quality is not gated)")
+    parser.add_argument("--alpha", type=float, help="smooth's SmoothQuant alpha, set (default: searched)")
     parser.add_argument("--archive", default="docs/performance-archive.jsonl")
     parser.add_argument("--quality-json", type=Path, help="the gates' figures and each variant's layers and scales: "
                         "read from here when it exists (only the runs are timed then), else written here and the runs "
@@ -160,8 +163,8 @@ def main() -> None:
             quality["int8"] = gate(job_file(root, "g-int8", model, int8, False), args.gate_rows)
             quality["int8"]["choice"] = gate(job_file(root, "c-int8", model, int8, True), args.gate_rows)
         for variant in variants:
-            quality[f"int8-{variant}"] = (ranges_only if args.ranges_only else calibrate)(
-                root, model, variant, args.rows, args.gate_rows)
+            quality[f"int8-{variant}"] = ranges_only(root, model, variant, args.rows, args.gate_rows) \
+                if args.ranges_only else calibrate(root, model, variant, args.rows, args.gate_rows, args.alpha)
         if args.quality_json:
             args.quality_json.write_text(json.dumps(quality))
             print(json.dumps({name: {k: v for k, v in q.items() if k != "scales"} for name, q in quality.items()}))
